@@ -1,0 +1,38 @@
+"""lockstep: data-parallel training for PyTorch.
+
+The path one step takes:
+
+    dataset ──ShardedSampler──► this rank's slice of the global batch
+            ──replica forward/backward──► per-parameter gradients (hooks fire as each is ready)
+            ──bucket plan──► flat buckets, reverse registration order, small first bucket
+            ──Reducer──► async all-reduce per bucket, launched in the same order on every rank
+            ──end of backward──► .grad holds the average over ranks
+            ──optimizer step──► the identical update everywhere
+
+    import lockstep
+    world = lockstep.init()
+    model = lockstep.DataParallel(net.to(world.device))
+    sampler = lockstep.ShardedSampler(dataset, shuffle=True, seed=0)
+"""
+
+from lockstep.comm import CollectiveError
+from lockstep.reducer import UnusedParameterError, naive_average_gradients
+from lockstep.replica import DataParallel, ModelMismatchError
+from lockstep.sampler import ShardedSampler
+from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from lockstep.world import World, init
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError",
+    "DataParallel",
+    "ModelMismatchError",
+    "ShardedSampler",
+    "SyncBatchNorm",
+    "UnusedParameterError",
+    "World",
+    "convert_sync_batchnorm",
+    "init",
+    "naive_average_gradients",
+]

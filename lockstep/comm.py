@@ -1,0 +1,120 @@
+"""The one module that calls torch.distributed collectives.
+
+Everything above it says *what* to communicate; this says *how*, and turns every failure
+into an error that names the rank, what it was waiting for, and who is behind.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lockstep.diagnostics import explain_stall
+
+Group = dist.ProcessGroup | None
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed or timed out; the message says which rank waited for what."""
+
+
+def rank_of(group: Group = None) -> int:
+    return dist.get_rank(group)
+
+
+def size_of(group: Group = None) -> int:
+    return dist.get_world_size(group)
+
+
+class Pending:
+    """An asynchronous collective and what it is, for the error message if it fails."""
+
+    __slots__ = ("started", "what", "work")
+
+    def __init__(self, work: dist.Work, what: str) -> None:
+        self.work, self.what, self.started = work, what, time.monotonic()
+
+    def wait(self) -> None:
+        try:
+            self.work.wait()
+        except Exception as error:
+            raise _explain(self.what, error, self.started) from error
+
+
+def _explain(what: str, error: BaseException, started: float) -> CollectiveError:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    waited = time.monotonic() - started
+    return CollectiveError(
+        f"rank {rank}: {what} failed after {waited:.1f}s: {str(error).strip()[:400]}\n"
+        f"{explain_stall(rank, size)}")
+
+
+def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    started = time.monotonic()
+    try:
+        return fn(*args, **kwargs)
+    except CollectiveError:
+        raise
+    except Exception as error:
+        raise _explain(what, error, started) from error
+
+
+def all_reduce_async(tensor: torch.Tensor, what: str, group: Group = None) -> Pending:
+    """Start summing `tensor` in place across the group; `.wait()` on the result."""
+    work = _run(what, dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=group,
+                async_op=True)
+    return Pending(work, what)
+
+
+def all_reduce(tensor: torch.Tensor, what: str, group: Group = None,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    work = _run(what, dist.all_reduce, tensor, op=op, group=group, async_op=True)
+    Pending(work, what).wait()
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> torch.Tensor:
+    work = _run(what, dist.broadcast, tensor, src=src, group=group, async_op=True)
+    Pending(work, what).wait()
+    return tensor
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, what: str,
+                      group: Group = None) -> None:
+    """Overwrite `tensors` with rank `src`'s values: one broadcast per dtype, not per tensor."""
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
+        broadcast(flat, src, what, group)
+        with torch.no_grad():
+            for t, synced in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors),
+                                 strict=True):
+                t.copy_(synced)
+
+
+def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, what: str,
+                    group: Group = None) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along a new first dimension of `output`."""
+    work = _run(what, dist.all_gather_into_tensor, output, tensor, group=group, async_op=True)
+    Pending(work, what).wait()
+    return output
+
+
+def all_gather_object(obj: Any, what: str, group: Group = None) -> list[Any]:
+    """Every rank's `obj`, in rank order. For small metadata only (it pickles)."""
+    gathered: list[Any] = [None] * size_of(group)
+    _run(what, dist.all_gather_object, gathered, obj, group=group)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int, what: str, group: Group = None) -> Any:
+    box = [obj]
+    _run(what, dist.broadcast_object_list, box, src=src, group=group)
+    return box[0]

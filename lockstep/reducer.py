@@ -1,0 +1,266 @@
+"""The reducer: averages gradients across ranks while backward is still running.
+
+One step, as seen from here:
+
+1. Each trainable parameter's `.grad` is a view into a flat bucket buffer, so autograd
+   accumulates straight into the buffer that goes on the wire (no copy in or out).
+2. A post-accumulate-grad hook marks the parameter ready. When every parameter of a bucket
+   is ready the bucket may launch -- but buckets launch strictly in plan order, so all ranks
+   issue the same collectives in the same sequence even if readiness differs.
+3. A callback queued on the autograd engine runs once backward ends: it launches whatever
+   is left, waits for every bucket, and divides once by the number of contributing ranks.
+
+After the first synchronised backward the plan is rebuilt in the order gradients actually
+arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd import Variable
+
+from lockstep import comm
+from lockstep.buckets import (
+    MB,
+    BucketSpec,
+    ParamSlot,
+    arrival_order,
+    plan_buckets,
+    reverse_registration_order,
+)
+
+
+class UnusedParameterError(RuntimeError):
+    """A trainable parameter got no gradient in a synchronised backward."""
+
+
+class Bucket:
+    """One flat gradient buffer and the parameters whose `.grad` are views into it."""
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], label: str):
+        self.spec = spec
+        self.params = [params[i] for i in spec.param_indices]
+        first = self.params[0]
+        self.flat = torch.zeros(spec.numel, dtype=first.dtype, device=first.device)
+        self.views = [self.flat[offset:offset + p.numel()].view_as(p)
+                      for offset, p in zip(spec.offsets, self.params, strict=True)]
+        self.waiting = len(self.params)  # parameters not yet ready in this backward
+        self.pending: comm.Pending | None = None
+        self.label = label
+
+
+def _slots(params: Sequence[torch.nn.Parameter]) -> list[ParamSlot]:
+    return [ParamSlot(i, p.numel(), str(p.dtype), p.element_size()) for i, p in
+            enumerate(params)]
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for one replica's trainable parameters."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
+                 group: comm.Group = None) -> None:
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
+        self.find_unused = find_unused
+        self.group = group
+        self.world_size = comm.size_of(group)
+        self.divisor = self.world_size  # ranks contributing this step (fewer under join)
+        self.sync_enabled = True
+        self.buckets: list[Bucket] = []
+        self._build(reverse_registration_order(len(self.params)))
+        self._in_backward = False
+        self._next_launch = 0
+        self._ready = bytearray(len(self.params))
+        self._used = bytearray(len(self.params))  # got a gradient since the last sync
+        self._arrivals: list[int] | None = []  # recorded during the first synced backward
+        self._learned_order: list[int] | None = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                       for i, p in enumerate(self.params)]
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def _build(self, order: list[int]) -> None:
+        """(Re)allocate buckets for `order`, carrying over any gradient already held."""
+        slots = _slots(self.params)
+        specs = plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
+        self.buckets = [Bucket(spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
+                                                  f"({spec.numel} x {spec.dtype})")
+                        for k, spec in enumerate(specs)]
+        self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for index, view in zip(bucket.spec.param_indices, bucket.views, strict=True):
+                self._where[index] = (bucket, view)
+                param = self.params[index]
+                if param.grad is not None:
+                    _adopt(param, view)
+
+    def bucket_sizes_mb(self) -> list[float]:
+        return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
+
+    def prepare_forward(self) -> None:
+        """Called before each grad-enabled forward: rebuild the plan once, in arrival order."""
+        if self._learned_order is None:
+            return
+        order = comm.broadcast_object(self._learned_order, 0, "broadcast of rank 0's "
+                                      "gradient arrival order", self.group)
+        self._learned_order = None
+        self._build(order)
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def _hook_for(self, index: int):  # type: ignore[no-untyped-def]
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index)
+        return hook
+
+    def _on_grad_ready(self, index: int) -> None:
+        bucket, view = self._where[index]
+        param = self.params[index]
+        if param.grad is not view:  # first accumulation after zero_grad(set_to_none=True)
+            _adopt(param, view)
+        self._used[index] = 1
+        if not self.sync_enabled:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+        if self._ready[index]:
+            raise RuntimeError(
+                f"rank {comm.rank_of(self.group)}: parameter '{self.names[index]}' received a "
+                "gradient twice in one backward (reentrant checkpointing, or a second "
+                "backward through the same graph?); lockstep reduces each gradient once")
+        self._ready[index] = 1
+        if self._arrivals is not None:
+            self._arrivals.append(index)
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._launch_in_order()
+
+    def _launch_in_order(self) -> None:
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
+            bucket = buckets[self._next_launch]
+            bucket.pending = comm.all_reduce_async(bucket.flat, bucket.label, self.group)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        """End of a synchronised backward: complete every bucket, then check for unused."""
+        try:
+            unready = [i for i in range(len(self.params)) if not self._ready[i]]
+            emptied = self._fill_unready(unready)
+            self._launch_in_order()
+            self._wait_and_average()
+            if self.find_unused:
+                self._drop_globally_unused(emptied)
+            elif unready:
+                raise self._unused_error(unready)
+            if self._arrivals is not None:
+                self._learned_order = arrival_order(self._arrivals, len(self.params))
+                self._arrivals = None
+        finally:
+            self._reset_for_next_backward()
+
+    def _fill_unready(self, unready: list[int]) -> list[int]:
+        """Give parameters that got no gradient this backward a defined slot value: zero if
+        they hold no gradient, their own if they accumulated one earlier. Returns the ones
+        that were zeroed (they had no gradient at all)."""
+        emptied = []
+        for index in unready:
+            bucket, view = self._where[index]
+            param = self.params[index]
+            if param.grad is None:
+                view.zero_()
+                emptied.append(index)
+            elif param.grad is not view:
+                _adopt(param, view)
+            bucket.waiting -= 1
+        return emptied
+
+    def _wait_and_average(self) -> None:
+        for bucket in self.buckets:
+            assert bucket.pending is not None
+            bucket.pending.wait()
+            bucket.pending = None
+            if self.divisor != 1:
+                bucket.flat.div_(self.divisor)
+
+    def _drop_globally_unused(self, emptied: list[int]) -> None:
+        """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
+        optimizer skips it (a zero gradient would still move it through momentum/decay)."""
+        used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(torch.int32)
+        comm.all_reduce(used, "all-reduce of the used-parameter bitmap", self.group)
+        for index in emptied:
+            if used[index] == 0:
+                self.params[index].grad = None
+
+    def _unused_error(self, unready: list[int]) -> UnusedParameterError:
+        names = ", ".join(f"'{self.names[i]}'" for i in unready[:8])
+        more = f" and {len(unready) - 8} more" if len(unready) > 8 else ""
+        return UnusedParameterError(
+            f"rank {comm.rank_of(self.group)}: {len(unready)} parameter(s) received no "
+            f"gradient in this backward: {names}{more}. If some parameters are legitimately "
+            "unused on some steps, wrap with DataParallel(..., find_unused=True); if they are "
+            "never used, freeze them (requires_grad_(False)) or remove them.")
+
+    def _reset_for_next_backward(self) -> None:
+        self._in_backward = False
+        self._next_launch = 0
+        self._ready = bytearray(len(self.params))
+        self._used = bytearray(len(self.params))
+        for bucket in self.buckets:
+            bucket.waiting = len(bucket.params)
+            bucket.pending = None
+
+    # ---- join: stand in for a backward this rank has no data for ------------------------
+
+    def shadow_backward(self) -> None:
+        """Issue exactly the collectives a real synchronised backward issues, contributing
+        zeros, so ranks that still have data are not left waiting."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            bucket.waiting = 0
+        self._launch_in_order()
+        try:
+            self._wait_and_average()
+            if self.find_unused:
+                comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32),
+                                "all-reduce of the used-parameter bitmap", self.group)
+            if self._arrivals is not None:
+                self._learned_order = arrival_order([], len(self.params))
+                self._arrivals = None
+        finally:
+            self._reset_for_next_backward()
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+def _adopt(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Move the gradient autograd just produced into the bucket, and point `.grad` at it."""
+    assert param.grad is not None
+    view.copy_(param.grad)
+    param.grad = view
+
+
+def naive_average_gradients(params: Sequence[torch.nn.Parameter],
+                            group: comm.Group = None) -> None:
+    """The oracle: one blocking all-reduce per parameter, then divide. Slow and obviously
+    right; tests hold the bucketed reducer against it."""
+    world_size = comm.size_of(group)
+    for param in params:
+        if param.grad is not None:
+            comm.all_reduce(param.grad, "naive per-parameter all-reduce", group)
+            param.grad.div_(world_size)
+
+
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters that need reducing: those with requires_grad, each once (tied weights
+    share one entry), in registration order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+

@@ -1,0 +1,158 @@
+"""DataParallel: one replica of the model per rank, kept identical by averaging gradients.
+
+Initialisation, in order:
+  1. check that every rank built the same model (names, shapes, dtypes): a fingerprint
+     exchange, so a mismatch is an error naming the parameter and the ranks, not a hang;
+  2. broadcast parameters and buffers from rank 0, so every replica starts identical;
+  3. plan gradient buckets and register one readiness hook per trainable parameter.
+
+Each grad-enabled forward then: (under `join`, agrees which ranks still have data),
+rebuilds the bucket plan once in arrival order, broadcasts buffers from rank 0, and runs
+the module. Backward does the rest (see reducer.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB
+from lockstep.diagnostics import reporter
+from lockstep.reducer import Reducer, trainable
+from lockstep.world import current
+
+
+class ModelMismatchError(RuntimeError):
+    """Ranks wrapped models with different parameters or buffers."""
+
+
+def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    entries = [(f"parameter {n}", tuple(p.shape), str(p.dtype), p.requires_grad)
+               for n, p in module.named_parameters()]
+    entries += [(f"buffer {n}", tuple(b.shape), str(b.dtype), False)
+                for n, b in module.named_buffers()]
+    return entries
+
+
+def verify_replicas_match(module: nn.Module, group: comm.Group = None) -> None:
+    """Raise ModelMismatchError on every rank if any rank's model differs from rank 0's."""
+    described = _describe(module)
+    digest = hashlib.sha256(repr(described).encode()).hexdigest()
+    digests = comm.all_gather_object(digest, "model fingerprint exchange", group)
+    if len(set(digests)) == 1:
+        return
+    everyone = comm.all_gather_object(described, "model description exchange", group)
+    raise ModelMismatchError(_first_difference(everyone, comm.rank_of(group)))
+
+
+def _first_difference(described: list[list[tuple[Any, ...]]], me: int) -> str:
+    reference = described[0]
+    for rank, entries in enumerate(described[1:], start=1):
+        for position in range(max(len(reference), len(entries))):
+            ours = reference[position] if position < len(reference) else None
+            theirs = entries[position] if position < len(entries) else None
+            if ours != theirs:
+                return (f"rank {me}: DataParallel found different models across ranks: entry "
+                        f"{position} is {_fmt(ours)} on rank 0 but {_fmt(theirs)} on rank "
+                        f"{rank}. Every rank must build the same model before wrapping it.")
+    return f"rank {me}: model fingerprints differ across ranks"
+
+
+def _fmt(entry: tuple[Any, ...] | None) -> str:
+    if entry is None:
+        return "missing"
+    name, shape, dtype, requires_grad = entry
+    frozen = "" if requires_grad or name.startswith("buffer") else ", frozen"
+    return f"{name} (shape {list(shape)}, {dtype.removeprefix('torch.')}{frozen})"
+
+
+class DataParallel(nn.Module):
+    """Wrap `module` for synchronous data-parallel training.
+
+    After `loss.backward()` returns, every trainable parameter's `.grad` holds the average
+    over ranks (except inside `no_sync()`), exactly as with torch's
+    DistributedDataParallel.
+
+    Args:
+        module: the model, already on `lockstep.init().device`.
+        bucket_mb: cap on the size of one gradient bucket, in MiB.
+        find_unused: allow parameters that get no gradient on some steps (costs one small
+            extra all-reduce per step). Without it such a parameter is an error.
+        broadcast_buffers: overwrite buffers (BatchNorm statistics) with rank 0's before
+            every grad-enabled forward.
+        first_bucket_mb: cap on the first bucket, small so communication starts early.
+        group: the process group to average over (default: everyone).
+    """
+
+    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, *, find_unused: bool = False,
+                 broadcast_buffers: bool = True,
+                 first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
+                 group: comm.Group = None) -> None:
+        super().__init__()
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.world = current()
+        self.module = module
+        self.group = group
+        self.broadcast_buffers = broadcast_buffers
+        verify_replicas_match(module, group)
+        comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
+                               "broadcast of rank 0's parameters and buffers", group)
+        self.reducer = Reducer(trainable(module), int(bucket_mb * MB), int(first_bucket_mb * MB),
+                               find_unused, group)
+        self._join: Any = None  # the active Join, when inside `join()`
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._before_training_forward()
+        return self.module(*args, **kwargs)
+
+    def _before_training_forward(self) -> None:
+        """The collectives every grad-enabled forward issues, in this fixed order. A joined
+        rank's shadow step (join.py) issues the same ones."""
+        if self._join is not None:
+            self._join.agree_on_active(active=True)
+        self.reducer.prepare_forward()
+        self.sync_buffers()
+        reporter.advance()
+
+    def sync_buffers(self) -> None:
+        if self.broadcast_buffers:
+            buffers = list(self.module.buffers())
+            if buffers:
+                src = self._join.source_rank() if self._join is not None else 0
+                comm.broadcast_tensors(buffers, src, "broadcast of buffers", self.group)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next backward outside reduces all of them."""
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    @contextmanager
+    def join(self, sync_final_model: bool = True) -> Iterator[None]:
+        """Train on uneven inputs: a rank that runs out of batches early keeps matching the
+        others' collectives (contributing nothing) until every rank is done. Gradients are
+        averaged over the ranks that still had data. Each grad-enabled forward inside must be
+        followed by exactly one backward."""
+        from lockstep.join import Join  # join builds on this class
+
+        self._join = Join(self, sync_final_model)
+        try:
+            yield
+            self._join.finish()
+        finally:
+            self._join = None
+
+    def bucket_sizes_mb(self) -> list[float]:
+        return self.reducer.bucket_sizes_mb()
