@@ -101,7 +101,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, what: str,
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, what: str,
                     group: Group = None) -> torch.Tensor:
-    """Concatenate every rank's `tensor` along a new first dimension of `output`."""
+    """Concatenate every rank's `tensor` along dimension 0 into `output`, in rank order."""
     work = _run(what, dist.all_gather_into_tensor, output, tensor, group=group, async_op=True)
     Pending(work, what).wait()
     return output

@@ -10,48 +10,55 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 import time
 
 import torch.distributed as dist
 
 _PREFIX = "lockstep/progress/"
-_PUBLISH_INTERVAL_S = 1.0
+_PUBLISH_INTERVAL_S = 0.5
 
 
 class ProgressReporter:
-    """Publishes this rank's step to the store; cheap enough to call every step."""
+    """Publishes this rank's step to the store from a daemon thread.
+
+    `advance()` is a plain increment, cheap enough for every step. The thread publishes the
+    latest value twice a second, and keeps doing so while the training thread is blocked in
+    a collective, so a waiting rank always reads its peers' progress less than a second old.
+    """
 
     def __init__(self) -> None:
         self.step = 0
-        self._last_publish = 0.0
-        self._store: dist.Store | None = None
+        self._published: tuple[int, str] | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
         atexit.register(self.publish_exit)
-
-    def _get_store(self) -> dist.Store | None:
-        if self._store is None and dist.is_initialized():
-            try:
-                self._store = dist.distributed_c10d._get_default_store()
-            except (RuntimeError, ValueError):
-                return None
-        return self._store
 
     def advance(self) -> None:
         self.step += 1
-        now = time.monotonic()
-        if now - self._last_publish >= _PUBLISH_INTERVAL_S or self.step == 1:
-            self._last_publish = now
-            self._publish(state="running")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="lockstep-progress",
+                                            daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.publish("running")
+            time.sleep(_PUBLISH_INTERVAL_S)
 
     def publish_exit(self) -> None:
-        self._publish(state="exited")
+        self.publish("exited")
 
-    def _publish(self, state: str) -> None:
-        store = self._get_store()
-        if store is None or not dist.is_initialized():
-            return
-        # Progress is advisory: never let it break training or exit.
-        with contextlib.suppress(Exception):
-            store.set(f"{_PREFIX}{dist.get_rank()}", f"{self.step} {state} {time.time():.1f}")
+    def publish(self, state: str) -> None:
+        with self._lock:
+            if self._published == (self.step, state) or not dist.is_initialized():
+                return
+            # Progress is advisory: never let it break training or exit.
+            with contextlib.suppress(Exception):
+                store = dist.distributed_c10d._get_default_store()
+                store.set(f"{_PREFIX}{dist.get_rank()}",
+                          f"{self.step} {state} {time.time():.1f}")
+                self._published = (self.step, state)
 
 
 reporter = ProgressReporter()
@@ -76,6 +83,7 @@ def _read_progress(world_size: int) -> dict[int, tuple[int, str, float]]:
 
 def explain_stall(rank: int, world_size: int) -> str:
     """A sentence or two on which ranks are behind, for an error message."""
+    reporter.publish("running")
     progress = _read_progress(world_size)
     if not progress:
         return "No progress reports were found (the store may be gone with rank 0)."

@@ -166,14 +166,15 @@ class Reducer:
 
     def _fill_unready(self, unready: list[int]) -> list[int]:
         """Give parameters that got no gradient this backward a defined slot value: zero if
-        they hold no gradient, their own if they accumulated one earlier. Returns the ones
-        that were zeroed (they had no gradient at all)."""
+        they hold no gradient (other ranks' gradients will land there), their own if they
+        accumulated one earlier. Returns the ones that had no gradient at all."""
         emptied = []
         for index in unready:
             bucket, view = self._where[index]
             param = self.params[index]
             if param.grad is None:
                 view.zero_()
+                param.grad = view
                 emptied.append(index)
             elif param.grad is not view:
                 _adopt(param, view)

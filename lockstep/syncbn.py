@@ -34,9 +34,10 @@ def global_moments(x: torch.Tensor, group: comm.Group) -> tuple[torch.Tensor, to
     mean = x.mean(dims)
     m2 = ((x - _broadcastable(mean, x)) ** 2).sum(dims)
     local = torch.stack([count, mean, m2])  # (3, C)
-    everyone = torch.zeros(comm.size_of(group), *local.shape, dtype=x.dtype, device=x.device)
+    world_size = comm.size_of(group)
+    everyone = torch.empty(world_size * 3, x.shape[1], dtype=x.dtype, device=x.device)
     comm.all_gather_into(everyone, local, "SyncBatchNorm statistics", group)
-    counts, means, m2s = everyone.unbind(1)  # each (world, C)
+    counts, means, m2s = everyone.view(world_size, 3, -1).unbind(1)  # each (world, C)
     total = counts.sum(0)
     global_mean = (counts * means).sum(0) / total
     global_m2 = (m2s + counts * (means - global_mean) ** 2).sum(0)

@@ -1,0 +1,330 @@
+"""The core contract: N ranks at per-rank batch b train exactly like 1 process at N*b.
+
+Each check runs on every rank of a real Gloo world; the single-process reference is trained
+in the same process on the whole global batch, so nothing but the reduction differs.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+import lockstep
+from lockstep.reducer import UnusedParameterError
+from lockstep.testing import World
+from tests.models import batch, digest, loss_of, make_model, make_optimizer, max_diff
+
+STEPS, PER_RANK = 15, 8
+
+
+def train_pair(kind: str, optimizer: str, accumulate: int, bucket_mb: float,
+               **dp_kwargs: object) -> tuple[float, str]:
+    """Train DataParallel on this rank's slice and a reference on the global batch."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    net, reference = make_model(kind), make_model(kind)
+    model = lockstep.DataParallel(net, bucket_mb=bucket_mb, **dp_kwargs)  # type: ignore[arg-type]
+    opt = make_optimizer(optimizer, model.parameters())
+    ref_opt = make_optimizer(optimizer, reference.parameters())
+    for step in range(STEPS):
+        x, y = batch(kind, step, PER_RANK * n)
+        mine_x, mine_y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1)
+                                                                     * PER_RANK]
+        opt.zero_grad()
+        for i, (mx, my) in enumerate(zip(mine_x.chunk(accumulate), mine_y.chunk(accumulate),
+                                         strict=True)):
+            last = i == accumulate - 1
+            with nullcontext() if last else model.no_sync():
+                (loss_of(kind, model, mx, my) / accumulate).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of(kind, reference, x, y).backward()
+        ref_opt.step()
+    return max_diff(net, reference), digest(net)
+
+
+def check_equivalence(kind: str) -> dict[str, tuple[float, str]]:
+    results = {}
+    for optimizer in ("sgd", "adamw"):
+        for accumulate in (1, 2):
+            # Tiny buckets so every model spans several, exercising the in-order launch.
+            results[f"{optimizer}/accumulate={accumulate}"] = train_pair(
+                kind, optimizer, accumulate, bucket_mb=0.004)
+    results["adamw/default-buckets"] = train_pair(kind, "adamw", 1, bucket_mb=25.0)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["mlp", "conv", "transformer"])
+def test_equals_single_process_on_the_global_batch(world: World, kind: str) -> None:
+    per_rank = world.run(check_equivalence, kind)
+    for config in per_rank[0]:
+        diffs = [results[config][0] for results in per_rank]
+        digests = {results[config][1] for results in per_rank}
+        assert max(diffs) < 5e-5, f"{kind} {config}: max |param diff| {max(diffs):.2e}"
+        assert len(digests) == 1, f"{kind} {config}: replicas differ bitwise"
+
+
+def check_find_unused() -> tuple[float, str, list[bool]]:
+    """A branch used on some ranks, some steps, and on no rank at all on others."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    net, reference = make_model("branch"), make_model("branch")
+    model = lockstep.DataParallel(net, bucket_mb=0.004, find_unused=True)
+    opt = make_optimizer("adamw", model.parameters())
+    ref_opt = make_optimizer("adamw", reference.parameters())
+    branch_had_grad = []
+    for step in range(STEPS):
+        uses = [(step + r) % 3 != 0 if step % 4 else False for r in range(n)]
+        x, y = batch("branch", step, PER_RANK * n)
+        xs, ys = x.chunk(n), y.chunk(n)
+        opt.zero_grad()
+        loss_of("branch", model, xs[rank], ys[rank], use_branch=uses[rank]).backward()
+        branch_had_grad.append(net.branch.weight.grad is not None)
+        opt.step()
+        ref_opt.zero_grad()
+        ref_loss = sum(loss_of("branch", reference, xs[r], ys[r], use_branch=uses[r])
+                       for r in range(n)) / n
+        ref_loss.backward()  # type: ignore[union-attr]
+        ref_opt.step()
+    return max_diff(net, reference), digest(net), branch_had_grad
+
+
+def test_find_unused_matches_single_process(world: World) -> None:
+    results = world.run(check_find_unused)
+    assert max(r[0] for r in results) < 5e-5
+    assert len({r[1] for r in results}) == 1
+    had_grad = results[0][2]
+    assert not all(had_grad) and any(had_grad)  # globally unused steps leave .grad None
+
+
+def check_gradients_are_bucket_views() -> list[bool]:
+    net = make_model("mlp")
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    x, y = batch("mlp", 0, 8)
+    for _ in range(2):  # once from None (zero_grad set_to_none), once accumulating in place
+        model.zero_grad()
+        loss_of("mlp", model, x, y).backward()
+    inside = []
+    for bucket in model.reducer.buckets:
+        start = bucket.flat.data_ptr()
+        end = start + bucket.flat.numel() * bucket.flat.element_size()
+        inside += [p.grad is not None and start <= p.grad.data_ptr() < end
+                   for p in bucket.params]
+    return inside
+
+
+def test_gradients_live_in_the_bucket_buffers(world2: World) -> None:
+    for inside in world2.run(check_gradients_are_bucket_views):
+        assert inside and all(inside)
+
+
+class Reversed(torch.nn.Module):
+    """Registers layers first-to-last but uses them last-to-first, so gradients arrive in
+    registration order -- the opposite of the default plan's guess."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def check_rebuild_in_arrival_order() -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(Reversed(), bucket_mb=0.02, first_bucket_mb=0.02)
+    before = [b.spec.param_indices for b in model.reducer.buckets]
+    x = batch("mlp", 0, 8)[0]
+    for _ in range(2):
+        model.zero_grad()
+        model(x).square().mean().backward()
+    return before, [b.spec.param_indices for b in model.reducer.buckets]
+
+
+def test_buckets_are_rebuilt_in_the_order_gradients_arrived(world2: World) -> None:
+    before, after = world2.run(check_rebuild_in_arrival_order)[0]
+    fill_before = [i for bucket in before for i in bucket]
+    fill_after = [i for bucket in after for i in bucket]
+    assert fill_before == [7, 6, 5, 4, 3, 2, 1, 0]  # default guess: last registered first
+    # Forward uses layers[3] .. layers[0], so backward delivers layers[0]'s (weight, bias)
+    # first: the rebuilt plan fills layer by layer in registration order.
+    layers = [sorted(fill_after[k:k + 2]) for k in range(0, 8, 2)]
+    assert layers == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def check_naive_oracle() -> float:
+    """The bucketed reducer's gradients equal the one-all-reduce-per-parameter oracle's."""
+    world = lockstep.init()
+    net, oracle = make_model("transformer"), make_model("transformer")
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    worst = 0.0
+    for step in range(3):
+        x, y = batch("transformer", step + 100 * world.rank, PER_RANK)
+        model.zero_grad()
+        oracle.zero_grad()
+        loss_of("transformer", model, x, y).backward()
+        loss_of("transformer", oracle, x, y).backward()
+        lockstep.naive_average_gradients([p for p in oracle.parameters() if p.requires_grad])
+        for p, q in zip(net.parameters(), oracle.parameters(), strict=True):
+            if p.requires_grad:
+                assert p.grad is not None and q.grad is not None
+                worst = max(worst, (p.grad - q.grad).abs().max().item())
+    return worst
+
+
+def test_bucketed_reducer_equals_naive_oracle(world: World) -> None:
+    assert max(world.run(check_naive_oracle)) < 1e-6
+
+
+def check_syncbn() -> tuple[float, str]:
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    net = lockstep.convert_sync_batchnorm(make_model("bn"))
+    reference = make_model("bn")
+    model = lockstep.DataParallel(net)
+    opt = make_optimizer("sgd", model.parameters())
+    ref_opt = make_optimizer("sgd", reference.parameters())
+    for step in range(STEPS):
+        x, y = batch("bn", step, PER_RANK * n)
+        opt.zero_grad()
+        loss_of("bn", model, x.chunk(n)[rank], y.chunk(n)[rank]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        loss_of("bn", reference, x, y).backward()
+        ref_opt.step()
+    assert isinstance(net[2], lockstep.SyncBatchNorm)
+    net.eval()
+    reference.eval()
+    x, _ = batch("bn", 99, 16)
+    eval_diff = (net(x) - reference(x)).abs().max().item()
+    return max(max_diff(net, reference), eval_diff), digest(net)  # running stats included
+
+
+def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(world: World) -> None:
+    results = world.run(check_syncbn)
+    assert max(r[0] for r in results) < 5e-5
+    assert len({r[1] for r in results}) == 1
+
+
+def check_buffers_follow_rank0() -> list[float]:
+    world = lockstep.init()
+    net = make_model("bn")
+    model = lockstep.DataParallel(net)
+    x, y = batch("bn", world.rank, 8)  # different data per rank: different batch statistics
+    for _ in range(3):
+        loss_of("bn", model, x, y).backward()
+    differed = net[2].running_mean.clone()
+    net.eval()  # so the forward below broadcasts but does not update the statistics
+    model(x)
+    return [differed.tolist(), net[2].running_mean.tolist()]
+
+
+def test_buffers_are_broadcast_from_rank0(world2: World) -> None:
+    (before0, after0), (before1, after1) = world2.run(check_buffers_follow_rank0)
+    assert before0 != before1  # each rank's statistics came from its own data
+    assert after0 == after1 == before0
+
+
+def check_join(batches_per_rank: list[int]) -> tuple[float, str]:
+    """Ranks with different numbers of batches; gradients average over ranks with data."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    net, reference = make_model("mlp"), make_model("mlp")
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    opt = make_optimizer("sgd", model.parameters())
+    ref_opt = make_optimizer("sgd", reference.parameters())
+    with model.join():
+        for step in range(batches_per_rank[rank]):
+            x, y = batch("mlp", step * n + rank, PER_RANK)
+            opt.zero_grad()
+            loss_of("mlp", model, x, y).backward()
+            opt.step()
+    for step in range(max(batches_per_rank)):
+        active = [r for r in range(n) if step < batches_per_rank[r]]
+        ref_opt.zero_grad()
+        loss = sum(loss_of("mlp", reference, *batch("mlp", step * n + r, PER_RANK))
+                   for r in active) / len(active)
+        loss.backward()  # type: ignore[union-attr]
+        ref_opt.step()
+    return max_diff(net, reference), digest(net)
+
+
+def test_join_handles_uneven_inputs(world: World) -> None:
+    counts = [5, 3] if world.world_size == 2 else [5, 3, 0]
+    results = world.run(check_join, counts)
+    assert max(r[0] for r in results) < 5e-5
+    assert len({r[1] for r in results}) == 1
+
+
+def check_mismatched_models() -> tuple[str, float]:
+    world = lockstep.init()
+    width = 32 if world.rank == 0 else 33
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, width))
+    started = time.monotonic()
+    try:
+        lockstep.DataParallel(net)
+    except lockstep.ModelMismatchError as error:
+        return str(error), time.monotonic() - started
+    return "no error", 0.0
+
+
+def test_mismatched_models_are_named_not_hung(world: World) -> None:
+    for rank, (message, seconds) in enumerate(world.run(check_mismatched_models)):
+        assert f"rank {rank}:" in message
+        assert "parameter 2.weight" in message and "[32, 16]" in message
+        assert "on rank 1" in message and "[33, 16]" in message
+        assert seconds < 10
+
+
+def check_missing_gradient(only_rank0: bool) -> tuple[str, float]:
+    world = lockstep.init()
+    net = make_model("branch")
+    model = lockstep.DataParallel(net)
+    x, y = batch("branch", 0, 8)
+    use_branch = only_rank0 and world.rank != 0
+    message = "ok"
+    try:
+        loss_of("branch", model, x, y, use_branch=use_branch).backward()
+    except UnusedParameterError as error:
+        message = str(error)
+    # Collectives stayed matched even where one rank failed: the group still works.
+    probe = torch.ones(1)
+    lockstep.comm.all_reduce(probe, "probe")
+    return message, probe.item()
+
+
+def test_missing_gradient_is_a_clear_error(world: World) -> None:
+    n = world.world_size
+    for rank, (message, probe) in enumerate(world.run(check_missing_gradient, False)):
+        assert f"rank {rank}:" in message and "'branch.weight'" in message
+        assert "find_unused=True" in message and probe == n
+    results = world.run(check_missing_gradient, True)
+    assert "rank 0:" in results[0][0] and "'branch.bias'" in results[0][0]
+    assert results[1:] == [("ok", n)] * (n - 1)
+
+
+def check_uneven_without_join() -> str:
+    world = lockstep.init()
+    model = lockstep.DataParallel(make_model("mlp"))
+    steps = 4 if world.rank == 0 else 2
+    started = time.monotonic()
+    try:
+        for step in range(steps):
+            loss_of("mlp", model, *batch("mlp", step, 8)).backward()
+    except lockstep.CollectiveError as error:
+        return f"{time.monotonic() - started:.1f}s {error}"
+    return "finished"
+
+
+def test_uneven_inputs_without_join_name_the_rank_behind() -> None:
+    with World(2, collective_timeout_s=3) as world:
+        waiting, finished = world.run(check_uneven_without_join)
+    assert finished == "finished"
+    assert float(waiting.split("s ")[0]) < 15
+    assert "rank 0:" in waiting and "gradient bucket" in waiting
+    assert "Rank(s) [1] are behind" in waiting
