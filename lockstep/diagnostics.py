@@ -8,7 +8,6 @@ gone, instead of leaving the user with a bare socket error.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import threading
 import time
@@ -32,7 +31,6 @@ class ProgressReporter:
         self._published: tuple[int, str] | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        atexit.register(self.publish_exit)
 
     def advance(self) -> None:
         self.step += 1

@@ -7,6 +7,7 @@ runs unchanged on a laptop, under `lockstep run -n 4`, and across hosts.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -14,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from lockstep.diagnostics import reporter
 from lockstep.logs import get_logger, setup_logging
 
 log = get_logger(__name__)
@@ -123,9 +125,29 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
     else:
         _world = _init_from_env(_pick_backend(backend), timeout)
     setup_logging(_world.rank)
+    _register_exit_once()
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,
              _world.backend, _world.device)
     return _world
+
+
+_exit_registered = False
+
+
+def _register_exit_once() -> None:
+    global _exit_registered
+    if not _exit_registered:
+        atexit.register(_at_exit)
+        _exit_registered = True
+
+
+def _at_exit() -> None:
+    """Say this rank has left (so waiting peers can name it), then tear the group down:
+    exiting with a live Gloo group intermittently aborts the process in torch's teardown
+    ("terminate called without an active exception"), which a launcher reports as a crash."""
+    reporter.publish_exit()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _init_from_env(backend: str, timeout: timedelta) -> World:

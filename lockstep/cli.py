@@ -1,0 +1,48 @@
+"""The `lockstep` command: `lockstep run` launches workers, `lockstep demo` shows the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lockstep.launch import LaunchSpec, run
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser("run", help="launch N workers of a script (torchrun-compatible)",
+                            description="Launch workers with the torchrun environment. On one "
+                            "host: `lockstep run -n 4 train.py --lr 0.1`. Across hosts, run "
+                            "the same command on each with --nnodes and --rdzv-endpoint.")
+    p.add_argument("-n", "--nproc-per-node", type=int, default=1, dest="nproc",
+                   help="workers on this host (default 1)")
+    p.add_argument("--nnodes", default="1", help="number of hosts, or MIN:MAX")
+    p.add_argument("--node-rank", type=int, default=None, help="this host's rank")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT of the rendezvous (one host of the job) for several hosts")
+    p.add_argument("--rdzv-id", default=None, help="job id shared by all hosts")
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("-m", "--module", action="store_true", help="target is a module")
+    p.add_argument("target", help="script path (or module name with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    demo = commands.add_parser("demo", help="train a small CNN on real MNIST with 2 workers",
+                               add_help=False)
+    demo.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+                              module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
+                              rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                              max_restarts=args.max_restarts))
+    from lockstep import demo as demo_module
+
+    return demo_module.main(args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

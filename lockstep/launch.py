@@ -1,0 +1,95 @@
+"""`lockstep run`: start workers through torchrun's own machinery (torch.distributed.run).
+
+What it adds to plain torchrun: OMP_NUM_THREADS set to cores / local workers (so N workers
+do not fight over the cores), a worker entry that records each worker's traceback, and a
+short summary on failure -- which worker failed, its exit code and its traceback -- after
+torchrun has stopped the others. A script written for lockstep also runs unchanged under
+plain `torchrun`, and vice versa.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LaunchSpec:
+    """One `lockstep run` invocation."""
+
+    nproc: int
+    """Workers on this host."""
+    target: str
+    """The script path, or the module name when `module` is set."""
+    args: list[str] = field(default_factory=list)
+    module: bool = False
+    nnodes: str = "1"
+    """Number of hosts (or MIN:MAX)."""
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous, for jobs across hosts."""
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+
+    def multi_host(self) -> bool:
+        return self.nnodes not in ("1", "1:1") or self.rdzv_endpoint is not None
+
+
+def threads_per_worker(nproc: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, nproc))
+
+
+def torchrun_argv(spec: LaunchSpec) -> list[str]:
+    """The equivalent torchrun command line (without the `torchrun` itself)."""
+    argv = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
+    if spec.multi_host():
+        if spec.rdzv_endpoint is None:
+            raise ValueError("lockstep run: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        argv += [f"--nnodes={spec.nnodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={spec.rdzv_endpoint}",
+                 f"--rdzv-id={spec.rdzv_id or 'lockstep'}"]
+        if spec.node_rank is not None:
+            argv.append(f"--node-rank={spec.node_rank}")
+    else:
+        argv += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
+                 f"--rdzv-id={uuid.uuid4()}"]
+    # Every worker starts in lockstep.entry, which records its traceback for the summary.
+    argv += ["-m", "lockstep.entry", "--module" if spec.module else "--script", spec.target]
+    return argv + list(spec.args)
+
+
+def run(spec: LaunchSpec) -> int:
+    """Launch and wait. Returns 0, or the failed worker's exit code after printing why."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(spec.nproc)))
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
+    except ChildFailedError as failed:
+        print(failure_summary(failed), file=sys.stderr)
+        _, first = failed.get_first_failure()
+        return first.exitcode if first.exitcode > 0 else 1
+    return 0
+
+
+def failure_summary(failed: Any) -> str:
+    rank, failure = failed.get_first_failure()
+    others = sorted(r for r in failed.failures if r != rank)
+    lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
+             f"{failure.pid}) failed with exit code {failure.exitcode}; the other workers "
+             "were stopped."]
+    message = failure.message
+    if isinstance(message, dict):
+        lines.append(str(message.get("extraInfo", {}).get("py_callstack")
+                         or message.get("message")))
+    elif failure.exitcode < 0:
+        lines.append(message)  # killed by a signal: no traceback exists
+    if others:
+        lines.append(f"(rank(s) {others} also ended with errors, most likely because rank "
+                     f"{rank} left while they waited for it)")
+    return "\n".join(str(line) for line in lines)
