@@ -7,8 +7,10 @@ One step, as seen from here:
 2. A post-accumulate-grad hook marks the parameter ready. When every parameter of a bucket
    is ready the bucket may launch -- but buckets launch strictly in plan order, so all ranks
    issue the same collectives in the same sequence even if readiness differs.
-3. A callback queued on the autograd engine runs once backward ends: it launches whatever
-   is left, waits for every bucket, and divides once by the number of contributing ranks.
+3. Each gradient is scaled once by 1/N as it enters its bucket (fused with the copy, so
+   no extra pass); the all-reduce's sum is then the average. A callback queued on the
+   autograd engine runs once backward ends: it launches whatever is left and waits for
+   every bucket.
 
 After the first synchronised backward the plan is rebuilt in the order gradients actually
 arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
@@ -96,7 +98,7 @@ class Reducer:
                 self._where[index] = (bucket, view)
                 param = self.params[index]
                 if param.grad is not None:
-                    _adopt(param, view)
+                    _adopt(param, view, 1.0)
 
     def bucket_sizes_mb(self) -> list[float]:
         return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
@@ -120,10 +122,9 @@ class Reducer:
     def _on_grad_ready(self, index: int) -> None:
         bucket, view = self._where[index]
         param = self.params[index]
-        if param.grad is not view:  # first accumulation after zero_grad(set_to_none=True)
-            _adopt(param, view)
         self._used[index] = 1
-        if not self.sync_enabled:
+        if not self.sync_enabled:  # accumulate in the bucket slot, unscaled, until the sync
+            _adopt(param, view, 1.0)
             return
         if not self._in_backward:
             self._in_backward = True
@@ -134,6 +135,7 @@ class Reducer:
                 "gradient twice in one backward (reentrant checkpointing, or a second "
                 "backward through the same graph?); lockstep reduces each gradient once")
         self._ready[index] = 1
+        _adopt(param, view, 1.0 / self.divisor)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
@@ -153,7 +155,7 @@ class Reducer:
             unready = [i for i in range(len(self.params)) if not self._ready[i]]
             emptied = self._fill_unready(unready)
             self._launch_in_order()
-            self._wait_and_average()
+            self._wait_all()
             if self.find_unused:
                 self._drop_globally_unused(emptied)
             elif unready:
@@ -176,18 +178,16 @@ class Reducer:
                 view.zero_()
                 param.grad = view
                 emptied.append(index)
-            elif param.grad is not view:
-                _adopt(param, view)
+            else:
+                _adopt(param, view, 1.0 / self.divisor)
             bucket.waiting -= 1
         return emptied
 
-    def _wait_and_average(self) -> None:
+    def _wait_all(self) -> None:
         for bucket in self.buckets:
             assert bucket.pending is not None
             bucket.pending.wait()
             bucket.pending = None
-            if self.divisor != 1:
-                bucket.flat.div_(self.divisor)
 
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
@@ -226,7 +226,7 @@ class Reducer:
             bucket.waiting = 0
         self._launch_in_order()
         try:
-            self._wait_and_average()
+            self._wait_all()
             if self.find_unused:
                 comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32),
                                 "all-reduce of the used-parameter bitmap", self.group)
@@ -242,10 +242,24 @@ class Reducer:
         self._hooks = []
 
 
-def _adopt(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Move the gradient autograd just produced into the bucket, and point `.grad` at it."""
-    assert param.grad is not None
-    view.copy_(param.grad)
+def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:
+    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory.
+
+    Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
+    pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
+    overflow in low precision). If autograd produced a fresh tensor (after
+    zero_grad(set_to_none=True)), the copy into the bucket and the scaling are one kernel.
+    """
+    grad = param.grad
+    assert grad is not None
+    if grad is view:
+        if scale != 1.0:
+            view.mul_(scale)
+        return
+    if scale != 1.0:
+        torch.mul(grad, scale, out=view)
+    else:
+        view.copy_(grad)
     param.grad = view
 
 

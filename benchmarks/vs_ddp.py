@@ -1,0 +1,139 @@
+"""lockstep.DataParallel against torch's DistributedDataParallel, side by side in one run.
+
+Two ranks on this machine train the same models on the same data three ways: lockstep,
+torch DDP, and no communication at all (each rank alone: the ceiling). Rounds alternate
+lockstep and DDP in ABBA order so drift in machine load hits both alike; the printed
+numbers are medians of per-round ratios, since absolute times on a shared machine mean
+little.
+
+    python benchmarks/vs_ddp.py            # launches 2 local workers itself
+    python benchmarks/vs_ddp.py --rounds 12 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import lockstep
+from lockstep.launch import LaunchSpec, run
+
+
+def wide_mlp() -> nn.Module:
+    """(a) few large tensors: 6 layers of 1024x1024."""
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def deep_mlp() -> nn.Module:
+    """(b) many small tensors: 24 layers of 256 wide, each with LayerNorm."""
+    layers: list[nn.Module] = []
+    for _ in range(24):
+        layers += [nn.Linear(256, 256), nn.LayerNorm(256), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+MODELS = {"6x1024 MLP": (wide_mlp, 1024), "24x256 MLP+LayerNorm": (deep_mlp, 256)}
+
+
+def make_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+    return step
+
+
+def timed(step: Callable[[], None], steps: int, synchronised: bool) -> float:
+    """Seconds for `steps` steps; every rank starts together and the slowest one counts."""
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    if synchronised:
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, float]:
+    build, width = MODELS[name]
+    torch.manual_seed(0)
+    x = torch.randn(batch, width)
+    base = build()
+    steps_by_mode = {
+        "lockstep": make_step(lockstep.DataParallel(_copy(base)), x),
+        "ddp": make_step(DDP(_copy(base)), x),
+        "local": make_step(_copy(base), x),
+    }
+    for step in steps_by_mode.values():  # warm up allocators, bucket rebuilds, caches
+        for _ in range(3):
+            step()
+    ratios, efficiency_ls, efficiency_ddp = [], [], []
+    for r in range(rounds):
+        order = ["lockstep", "ddp", "ddp", "lockstep"] if r % 2 == 0 else \
+            ["ddp", "lockstep", "lockstep", "ddp"]
+        seconds = {"lockstep": 0.0, "ddp": 0.0}
+        for mode in order:
+            seconds[mode] += timed(steps_by_mode[mode], steps, True)
+        local = 2 * timed(steps_by_mode["local"], steps, True)
+        ratios.append(seconds["ddp"] / seconds["lockstep"])  # throughput ratio lockstep/DDP
+        efficiency_ls.append(local / seconds["lockstep"])
+        efficiency_ddp.append(local / seconds["ddp"])
+    return {"ratio": statistics.median(ratios),
+            "eff_lockstep": statistics.median(efficiency_ls),
+            "eff_ddp": statistics.median(efficiency_ddp),
+            "samples_per_s": 2 * batch * 2 * steps / seconds["lockstep"]}
+
+
+def _copy(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def worker(args: argparse.Namespace) -> None:
+    world = lockstep.init()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for name in args.models:
+        result = bench_model(name, args.rounds, args.steps, args.batch)
+        if world.is_main:
+            print(f"{name:22s} throughput ratio lockstep/DDP: {result['ratio']:.3f}   "
+                  f"sync efficiency lockstep {result['eff_lockstep']:.2f}, "
+                  f"DDP {result['eff_ddp']:.2f}   ({result['samples_per_s']:.0f} samples/s)",
+                  flush=True)
+    world.shutdown()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--batch", type=int, default=64, help="per-rank batch")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = p.parse_args()
+    if "WORLD_SIZE" in os.environ:
+        worker(args)
+        return 0
+    print(f"lockstep vs torch DDP: 2 ranks (Gloo, CPU), per-rank batch {args.batch}, "
+          f"{args.rounds} ABBA rounds of {args.steps} steps; medians of per-round ratios",
+          flush=True)
+    return run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
