@@ -72,24 +72,55 @@ def run(spec: LaunchSpec) -> int:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
     except ChildFailedError as failed:
         print(failure_summary(failed), file=sys.stderr)
-        _, first = failed.get_first_failure()
-        return first.exitcode if first.exitcode > 0 else 1
+        return exit_status(failed)
     return 0
 
 
-def failure_summary(failed: Any) -> str:
-    rank, failure = failed.get_first_failure()
-    others = sorted(r for r in failed.failures if r != rank)
-    lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
-             f"{failure.pid}) failed with exit code {failure.exitcode}; the other workers "
-             "were stopped."]
+def _is_knock_on(failure: Any) -> bool:
+    """A failure caused by a peer leaving (a collective that lost its partner), as opposed
+    to the failure that started it."""
+    text = str(failure.message)
+    return "CollectiveError" in text or "Connection closed by peer" in text or \
+        "Connection reset by peer" in text
+
+
+def root_cause(failed: Any) -> tuple[int, Any]:
+    """The failure that started it all. torchrun orders failures by timestamps with
+    one-second resolution, so a crash and its peers' knock-on errors often tie; prefer the
+    earliest failure that is not a knock-on error."""
+    by_time = sorted(failed.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    primary = [item for item in by_time if not _is_knock_on(item[1])]
+    return (primary or by_time)[0]
+
+
+def _traceback(failure: Any) -> str | None:
     message = failure.message
     if isinstance(message, dict):
-        lines.append(str(message.get("extraInfo", {}).get("py_callstack")
-                         or message.get("message")))
-    elif failure.exitcode < 0:
-        lines.append(message)  # killed by a signal: no traceback exists
+        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message"))
+    return None
+
+
+def failure_summary(failed: Any) -> str:
+    rank, failure = root_cause(failed)
+    others = sorted(r for r in failed.failures if r != rank)
+    traceback = _traceback(failure)
+    # A worker that raised may still be SIGTERMed by torchrun while it exits, so its exit
+    # code is not the story; the recorded exception is.
+    how = ("raised an exception" if traceback is not None
+           else f"was killed by {failure.message}" if failure.exitcode < 0
+           else f"exited with code {failure.exitcode}")
+    lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
+             f"{failure.pid}) {how}; the other workers were stopped."]
+    if traceback is not None:
+        lines.append(traceback)
     if others:
         lines.append(f"(rank(s) {others} also ended with errors, most likely because rank "
                      f"{rank} left while they waited for it)")
-    return "\n".join(str(line) for line in lines)
+    return "\n".join(lines)
+
+
+def exit_status(failed: Any) -> int:
+    _, failure = root_cause(failed)
+    if _traceback(failure) is not None or failure.exitcode <= 0:
+        return 1
+    return int(failure.exitcode)
