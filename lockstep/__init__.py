@@ -15,24 +15,34 @@ The path one step takes:
     sampler = lockstep.ShardedSampler(dataset, shuffle=True, seed=0)
 """
 
+from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
+from lockstep.optim import LAMB, LARS, LRSchedule
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.replica import DataParallel, ModelMismatchError
 from lockstep.sampler import ShardedSampler
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
+from lockstep.trainer import TrainConfig, Trainer
 from lockstep.world import World, init
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAMB",
+    "LARS",
+    "CheckpointError",
     "CollectiveError",
     "DataParallel",
+    "LRSchedule",
     "ModelMismatchError",
     "ShardedSampler",
     "SyncBatchNorm",
+    "TrainConfig",
+    "Trainer",
     "UnusedParameterError",
     "World",
     "convert_sync_batchnorm",
+    "fingerprint",
     "init",
     "naive_average_gradients",
 ]

@@ -10,6 +10,7 @@ plain `torchrun`, and vice versa.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -77,11 +78,11 @@ def run(spec: LaunchSpec) -> int:
 
 
 def _is_knock_on(failure: Any) -> bool:
-    """A failure caused by a peer leaving (a collective that lost its partner), as opposed
-    to the failure that started it."""
+    """A failure caused by another one: a collective that lost its partner, or the SIGTERM
+    torchrun sends the surviving workers when it stops the job."""
     text = str(failure.message)
-    return "CollectiveError" in text or "Connection closed by peer" in text or \
-        "Connection reset by peer" in text
+    return failure.exitcode == -signal.SIGTERM or "CollectiveError" in text or \
+        "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def root_cause(failed: Any) -> tuple[int, Any]:

@@ -1,0 +1,374 @@
+"""Trainer: the training loop people run, with the global batch as the unit.
+
+    trainer = lockstep.Trainer(model, lambda p: torch.optim.AdamW(p), train_set, test_set,
+                               config=lockstep.TrainConfig(global_batch_size=256, epochs=3))
+    summary = trainer.fit()
+
+The user says how many samples one optimizer step sees (the global batch); lockstep splits
+it over ranks and, when a rank may only hold `max_batch_per_rank` samples at once, over
+gradient-accumulation micro-steps. Global batch i is always positions [i*G, (i+1)*G) of
+the epoch's sample order (see sampler.py), so the same config trains the same model at any
+world size, and a checkpoint resumes at any world size where it left off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lockstep import checkpoint, comm
+from lockstep.optim import LRSchedule, linear_scaling, set_lr
+from lockstep.replica import DataParallel
+from lockstep.runlog import RunLog, plot_run
+from lockstep.sampler import ShardedSampler
+from lockstep.world import World, init
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides what is trained. The same config gives the same training at
+    any world size."""
+
+    global_batch_size: int = 64
+    """Samples per optimizer step, over all ranks and accumulation micro-steps."""
+    max_batch_per_rank: int | None = None
+    """Most samples one rank runs through the model at once (a memory cap); gradient
+    accumulation makes up the rest. None: no cap."""
+    epochs: int = 1
+    """Passes over the training set (each uses len(train) // global_batch_size steps)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, if sooner."""
+    lr: float | None = None
+    """Peak learning rate, set on the optimizer every step. None: leave the optimizer's lr
+    alone (and step `scheduler` if given)."""
+    base_batch_size: int | None = None
+    """If set, `lr` is the rate for this batch size and is scaled linearly to the global
+    batch (Goyal et al. 2017); warmup then starts from the unscaled rate."""
+    warmup_steps: int = 0
+    """Steps of linear warmup to the peak learning rate."""
+    decay: str = "none"
+    """After warmup: "none" (constant) or "cosine" (to zero at the last step)."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient norm (over all parameters) to this value."""
+    eval_every_epochs: int = 1
+    """Evaluate on the test set every this many epochs (and always at the end)."""
+    eval_batch_size: int = 256
+    """Per-rank batch for evaluation."""
+    checkpoint_every_steps: int | None = None
+    """Write a checkpoint every this many steps; None: at the end of every epoch."""
+    keep_checkpoints: int = 3
+    """How many recent checkpoints to keep."""
+    resume: str = "auto"
+    """"auto": continue from the newest valid checkpoint in run_dir, if any; "never": start
+    fresh; or the path of a checkpoint folder."""
+    run_dir: str = "runs/lockstep"
+    """Where checkpoints, metrics.jsonl, TensorBoard events and the plot go."""
+    seed: int = 0
+    """Seeds data order and each rank's RNG."""
+    log_every_steps: int = 10
+    """Average the loss over ranks and record metrics every this many steps."""
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+    bucket_mb: float = 25.0
+    """DataParallel's gradient bucket cap."""
+    find_unused: bool = False
+    """DataParallel's find_unused."""
+
+    def validate(self) -> None:
+        if self.global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")
+        if self.max_batch_per_rank is not None and self.max_batch_per_rank < 1:
+            raise ValueError("max_batch_per_rank must be >= 1")
+        if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
+            raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is split: over ranks, then over accumulation micro-steps."""
+
+    global_batch: int
+    world_size: int
+    per_rank: int
+    micro_batch: int
+    accumulation: int
+
+
+def plan_batches(global_batch: int, world_size: int, max_per_rank: int | None = None
+                 ) -> BatchPlan:
+    """Split `global_batch` evenly over ranks, then into the fewest equal micro-batches that
+    respect `max_per_rank`. Equal sizes keep every sample's weight in the mean equal."""
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not split evenly over {world_size} "
+                         f"ranks; choose a multiple of {world_size}")
+    per_rank = global_batch // world_size
+    cap = max_per_rank or per_rank
+    accumulation = next(a for a in range(math.ceil(per_rank / cap), per_rank + 1)
+                        if per_rank % a == 0)
+    return BatchPlan(global_batch, world_size, per_rank, per_rank // accumulation,
+                     accumulation)
+
+
+@dataclass
+class TrainState:
+    """Where training is: what callbacks see and what a checkpoint records."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    last_loss: float = float("nan")
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def per_sample_accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    """Fraction of correct argmax predictions per sample (per token, averaged, for
+    sequences), or None when outputs are not class scores for these targets."""
+    if targets.dtype != torch.long or outputs.shape[:-1] != targets.shape:
+        return None
+    correct = (outputs.argmax(-1) == targets).float()
+    return correct.reshape(len(targets), -1).mean(1)
+
+
+def flat_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class scores (B, C) or sequences of them (B, T, C)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+class Trainer:
+    """Data-parallel training loop with exact resume. Call `fit()` on every rank."""
+
+    def __init__(self, model: nn.Module,
+                 optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                 train_set: Dataset[Batch], eval_set: Dataset[Batch] | None = None,
+                 loss_fn: LossFn = flat_cross_entropy, config: TrainConfig | None = None,
+                 scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                 callbacks: Sequence[Callable[[Trainer], None]] = ()) -> None:
+        self.config = config or TrainConfig()
+        self.config.validate()
+        self.world: World = init()
+        self.plan = plan_batches(self.config.global_batch_size, self.world.world_size,
+                                 self.config.max_batch_per_rank)
+        self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
+        self.steps_per_epoch = len(train_set) // self.config.global_batch_size  # type: ignore[arg-type]
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"the training set ({len(train_set)} samples) is smaller than one "  # type: ignore[arg-type]
+                             f"global batch ({self.config.global_batch_size})")
+        self.model = model if isinstance(model, DataParallel) else DataParallel(
+            model.to(self.world.device), bucket_mb=self.config.bucket_mb,
+            find_unused=self.config.find_unused)
+        self.optimizer = optimizer(self.model.parameters())
+        self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.schedule = self._lr_schedule()
+        self.callbacks = list(callbacks)
+        self.run_dir = Path(self.config.run_dir)
+        self.state = TrainState()
+        self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed)  # type: ignore[arg-type]
+
+    @property
+    def total_steps(self) -> int:
+        total = self.steps_per_epoch * self.config.epochs
+        return min(total, self.config.max_steps) if self.config.max_steps else total
+
+    def _lr_schedule(self) -> LRSchedule | None:
+        c = self.config
+        if c.lr is None:
+            return None
+        peak = linear_scaling(c.lr, c.global_batch_size, c.base_batch_size) \
+            if c.base_batch_size else c.lr
+        start = c.lr if c.base_batch_size else 0.0
+        return LRSchedule(peak, c.warmup_steps, start, self.total_steps, c.decay)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, Any]:
+        """Train to the end (resuming if configured), evaluate, and return a summary."""
+        self._start()
+        runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
+                        self.state.global_step, self.config.progress)
+        started, samples = time.perf_counter(), 0
+        try:
+            while self.state.global_step < self.total_steps:
+                samples += self._train_epoch(runlog)
+                finished = self.state.global_step >= self.total_steps
+                if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
+                    self._evaluate_and_record(runlog)
+            elapsed = time.perf_counter() - started
+            metrics = self._evaluate_and_record(runlog)
+        finally:
+            runlog.close()
+        if self.world.is_main:
+            plot_run(self.run_dir)
+        return {"steps": self.state.global_step,
+                "samples_per_s": samples / elapsed if samples else 0.0,
+                "test_loss": metrics.get("loss"), "test_accuracy": metrics.get("accuracy"),
+                "fingerprint": checkpoint.fingerprint(self.model.module),
+                "world_size": self.world.world_size, "run_dir": str(self.run_dir)}
+
+    def _train_epoch(self, runlog: RunLog) -> int:
+        """Run the rest of the current epoch; returns global samples trained."""
+        batches = self._micro_batches()
+        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        trained, epoch_done = 0, False
+        while not epoch_done and self.state.global_step < self.total_steps:
+            window_loss += self._train_step(batches)
+            window_steps += 1
+            trained += self.plan.global_batch
+            self.state.global_step += 1
+            self.state.step_in_epoch += 1
+            if self.state.step_in_epoch == self.steps_per_epoch:  # roll over before saving,
+                self.state.epoch += 1                               # so a checkpoint points
+                self.state.step_in_epoch, epoch_done = 0, True      # at the next sample
+            if self.state.global_step % self.config.log_every_steps == 0 or \
+                    self.state.global_step == self.total_steps:
+                self._log_window(runlog, window_loss, window_steps, window_start)
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            for callback in self.callbacks:
+                callback(self)
+            if self._checkpoint_due(epoch_done):
+                self.save_checkpoint()
+        return trained
+
+    def _micro_batches(self) -> Iterator[Batch]:
+        self.sampler.load_state_dict(self._sampler_state())
+        # A private generator: creating a loader iterator otherwise draws from the global
+        # RNG, at a different point in a resumed run, and shifts every dropout mask after.
+        loader = DataLoader(self.train_set, batch_size=self.plan.micro_batch,
+                            sampler=self.sampler, generator=torch.Generator().manual_seed(
+                                self.config.seed + self.state.epoch))
+        for x, y in loader:
+            yield x.to(self.world.device), y.to(self.world.device)
+
+    def _train_step(self, batches: Iterator[Batch]) -> float:
+        """One optimizer step over one global batch; returns this rank's mean loss."""
+        if self.schedule is not None:
+            set_lr(self.optimizer, self.schedule(self.state.global_step))
+        total = 0.0
+        for micro in range(self.plan.accumulation):
+            x, y = next(batches)
+            last = micro == self.plan.accumulation - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                loss = self.loss_fn(self.model(x), y) / self.plan.accumulation
+                loss.backward()
+            total += loss.item()
+        if self.config.grad_clip_norm is not None:
+            # After backward every rank holds the same averaged gradients: same norm, same clip.
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:  # stepped per optimizer step, not per epoch
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.last_loss = total
+        return total
+
+    def _log_window(self, runlog: RunLog, loss_sum: float, steps: int, started: float) -> None:
+        mean = torch.tensor([loss_sum / steps])
+        comm.all_reduce(mean, "trainer: average of the logged loss")
+        loss = mean.item() / self.world.world_size
+        speed = steps * self.plan.global_batch / max(time.perf_counter() - started, 1e-9)
+        lr = self.optimizer.param_groups[0]["lr"]
+        runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
+                      lr=float(lr), epoch=self.state.epoch)
+        runlog.progress(steps, loss=f"{loss:.4f}", samples_s=f"{speed:.0f}")
+
+    # ---- evaluation ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss and accuracy over the whole eval set, exact across ranks: the sampler's
+        padding samples are not counted, and sums (not means) are reduced."""
+        if self.eval_set is None:
+            return {}
+        sampler = ShardedSampler(self.eval_set, shuffle=False)  # type: ignore[arg-type]
+        n = self.world.world_size
+        # Rank r holds positions r, r+N, ...; those past the end are padding repeats.
+        valid = len(range(self.world.rank, len(self.eval_set), n))  # type: ignore[arg-type]
+        loader = DataLoader(self.eval_set, batch_size=self.config.eval_batch_size,
+                            sampler=sampler, generator=torch.Generator())  # global RNG untouched
+        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct sum, count
+        self.model.eval()
+        seen = 0
+        for x, y in loader:
+            x, y = x[: valid - seen].to(self.world.device), y[: valid - seen].to(
+                self.world.device)
+            seen += len(x)
+            if len(x) == 0:
+                break
+            outputs = self.model(x)
+            sums[0] += self.loss_fn(outputs, y).item() * len(x)
+            accuracy = per_sample_accuracy(outputs, y)
+            sums[1] += accuracy.sum().item() if accuracy is not None else float("nan")
+            sums[2] += len(x)
+        self.model.train()
+        comm.all_reduce(sums, "trainer: evaluation sums")
+        return {"loss": sums[0].item() / sums[2].item(),
+                "accuracy": sums[1].item() / sums[2].item()}
+
+    def _evaluate_and_record(self, runlog: RunLog) -> dict[str, float]:
+        if self.eval_set is None:
+            return {}
+        metrics = self.evaluate()
+        self.state.history.append({"step": self.state.global_step, **metrics})
+        runlog.record("eval", self.state.global_step, **metrics)
+        runlog.message(f"step {self.state.global_step}: test loss {metrics['loss']:.4f}, "
+                       f"test accuracy {metrics['accuracy']:.4f}")
+        return metrics
+
+    # ---- checkpoints ---------------------------------------------------------------------
+
+    def _checkpoint_due(self, epoch_done: bool) -> bool:
+        every = self.config.checkpoint_every_steps
+        if every is None:
+            return epoch_done or self.state.global_step == self.total_steps
+        return self.state.global_step % every == 0 or self.state.global_step == self.total_steps
+
+    def _sampler_state(self) -> dict[str, Any]:
+        return {**self.sampler.state_dict(), "epoch": self.state.epoch,
+                "position": self.state.step_in_epoch * self.plan.global_batch}
+
+    def save_checkpoint(self) -> Path:
+        state = {"epoch": self.state.epoch, "step_in_epoch": self.state.step_in_epoch,
+                 "global_step": self.state.global_step,
+                 "global_batch_size": self.plan.global_batch,
+                 "sampler": self._sampler_state(), "history": self.state.history,
+                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                 "config": asdict(self.config)}
+        return checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
+                               self.model.module, self.optimizer, state,
+                               self.config.keep_checkpoints)
+
+    def _start(self) -> None:
+        """Seed a fresh run, or restore one from its checkpoint."""
+        torch.manual_seed(self.config.seed * 1000 + self.world.rank)
+        folder = None
+        if self.config.resume == "auto":
+            folder = checkpoint.latest_valid(self.run_dir / "checkpoints")
+        elif self.config.resume != "never":
+            folder = Path(self.config.resume)
+        if folder is None:
+            return
+        saved = checkpoint.load(folder, self.model.module, self.optimizer)
+        if saved["global_batch_size"] != self.plan.global_batch:
+            raise ValueError(f"rank {self.world.rank}: checkpoint {folder} was trained with "
+                             f"global batch {saved['global_batch_size']}, this config has "
+                             f"{self.plan.global_batch}; keep it to resume the same run")
+        self.state = TrainState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
+                                history=saved["history"])
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if self.world.is_main:
+            print(f"resumed from {folder} at step {self.state.global_step} (epoch "
+                  f"{self.state.epoch}, sample {saved['sampler']['position']} of it), "
+                  f"written by {saved['world_size']} rank(s)", flush=True)

@@ -1,0 +1,187 @@
+"""Trainer: the same training at any world size, exact evaluation, and checkpoints that
+resume across world sizes and refuse what is broken or unsafe."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import lockstep
+from lockstep import checkpoint
+from lockstep.sampler import global_order
+from lockstep.testing import World
+from tests.models import digits, make_model, max_diff
+
+GLOBAL_BATCH, CAP = 48, 8  # 1440 training digits: 30 steps per epoch
+
+
+def digit_sets() -> tuple[TensorDataset, TensorDataset]:
+    x, y = digits()
+    return TensorDataset(x[:1440], y[:1440]), TensorDataset(x[1440:], y[1440:])  # 357 test
+
+
+def sgd(params: object) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+
+
+def config(run_dir: str, **overrides: object) -> lockstep.TrainConfig:
+    base = dict(global_batch_size=GLOBAL_BATCH, max_batch_per_rank=CAP, epochs=1,
+                run_dir=run_dir, progress=False, resume="never", log_every_steps=5)
+    return lockstep.TrainConfig(**{**base, **overrides})  # type: ignore[arg-type]
+
+
+def train(run_dir: str, **overrides: object) -> tuple[lockstep.Trainer, dict[str, object]]:
+    train_set, test_set = digit_sets()
+    trainer = lockstep.Trainer(make_model("mlp"), sgd, train_set, test_set,
+                               config=config(run_dir, **overrides))
+    return trainer, trainer.fit()
+
+
+def reference_model(steps: int) -> torch.nn.Module:
+    """One process, no lockstep: the same global batches in the sampler's global order."""
+    train_set, _ = digit_sets()
+    x, y = train_set.tensors
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    order = global_order(len(x), seed=0, epoch=0, shuffle=True)
+    for step in range(steps):
+        batch = order[step * GLOBAL_BATCH:(step + 1) * GLOBAL_BATCH]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+        opt.step()
+    return model
+
+
+def check_trainer_run(run_dir: str) -> dict[str, object]:
+    world = lockstep.init()
+    trainer, summary = train(f"{run_dir}/w{world.world_size}")
+    return {"diff_vs_reference": max_diff(trainer.model.module, reference_model(30)),
+            "weights": [t.clone() for t in trainer.model.module.state_dict().values()],
+            "accumulation": trainer.plan.accumulation, "summary": summary}
+
+
+def test_same_config_trains_the_same_model_at_world_sizes_1_2_3(world2: World, world3: World,
+                                                               tmp_path: Path) -> None:
+    results = {}
+    with World(1) as world1:
+        results[1] = world1.run(check_trainer_run, str(tmp_path))[0]
+    results[2] = world2.run(check_trainer_run, str(tmp_path))[0]
+    results[3] = world3.run(check_trainer_run, str(tmp_path))[0]
+    assert [results[n]["accumulation"] for n in (1, 2, 3)] == [6, 3, 2]  # from the cap of 8
+    for n in (1, 2, 3):
+        assert results[n]["diff_vs_reference"] < 5e-5
+        worst = max((a - b).abs().max().item() for a, b in zip(results[n]["weights"],
+                                                                results[1]["weights"]))
+        assert worst < 5e-5, f"world {n} vs world 1: {worst:.2e}"
+        assert results[n]["summary"]["test_accuracy"] > 0.3  # learning: chance is 0.1
+
+
+def check_exact_evaluation() -> tuple[dict[str, float], dict[str, float]]:
+    lockstep.init()
+    _, test_set = digit_sets()
+    torch.manual_seed(0)
+    trainer = lockstep.Trainer(make_model("mlp"), sgd, test_set, test_set,
+                               config=config("unused", eval_batch_size=16))
+    distributed = trainer.evaluate()
+    model = trainer.model.module
+    x, y = test_set.tensors
+    with torch.no_grad():
+        out = model(x)
+        single = {"loss": torch.nn.functional.cross_entropy(out, y).item(),
+                  "accuracy": (out.argmax(1) == y).float().mean().item()}
+    return distributed, single
+
+
+def test_evaluation_counts_every_sample_once(world3: World) -> None:
+    # 357 samples over 3 ranks with batches of 16: the sampler pads, evaluation must not.
+    for distributed, single in world3.run(check_exact_evaluation):
+        assert distributed["loss"] == pytest.approx(single["loss"], rel=1e-5)
+        assert distributed["accuracy"] == pytest.approx(single["accuracy"], abs=1e-9)
+
+
+def check_partial_run(run_dir: str, **overrides: object) -> list[torch.Tensor]:
+    trainer, _ = train(run_dir, **overrides)
+    return [t.clone() for t in trainer.model.module.state_dict().values()]
+
+
+def test_resume_at_world_size_3_continues_a_run_written_at_2(world2: World, world3: World,
+                                                             tmp_path: Path) -> None:
+    whole = world2.run(check_partial_run, str(tmp_path / "whole"))[0]
+    run = str(tmp_path / "moved")
+    world2.run(check_partial_run, run, max_steps=12, checkpoint_every_steps=4)
+    assert (tmp_path / "moved/checkpoints/step-00000012").is_dir()
+    moved = world3.run(check_partial_run, run, resume="auto")[0]
+    assert max((a - b).abs().max().item() for a, b in zip(moved, whole)) < 5e-5
+    state = json.loads((tmp_path / "moved/checkpoints/step-00000030/state.json").read_text())
+    assert state["world_size"] == 3 and state["global_step"] == 30
+
+
+def check_verification(root: str) -> str:
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    model(torch.zeros(2, 64)).sum().backward()
+    opt.step()
+    for step in (1, 2, 3):
+        checkpoint.save(root, step, model, opt, {"note": step}, keep=5)
+    found = []
+    if world.rank == 0:
+        newest = Path(root) / "step-00000003"
+        shard = next(newest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:-100])          # truncated
+        state = Path(root) / "step-00000002" / "state.json"
+        state.write_text(state.read_text().replace("2", "9"))  # corrupted
+    world.barrier()
+    found.append(checkpoint.latest_valid(root).name)  # type: ignore[union-attr]
+    if world.rank == 0:
+        (Path(root) / "step-00000001" / checkpoint.MANIFEST).unlink()
+    world.barrier()
+    try:
+        checkpoint.latest_valid(root)
+    except checkpoint.CheckpointError as error:
+        found.append(str(error))
+    return " | ".join(found)
+
+
+def test_broken_checkpoints_are_skipped_and_none_valid_is_an_error(world2: World,
+                                                                    tmp_path: Path) -> None:
+    for rank, result in enumerate(world2.run(check_verification, str(tmp_path / "ck"))):
+        newest_valid, error = result.split(" | ")
+        assert newest_valid == "step-00000001"
+        assert f"rank {rank}:" in error and "none of the 3 checkpoint(s)" in error
+
+
+class _Exploit:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {os.environ.get('PWNED_MARKER', '/tmp/pwned')}",))
+
+
+def check_refuses_code_in_metadata(root: str, marker: str) -> str:
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    folder = checkpoint.save(root, 1, model, opt, {})
+    if world.rank == 0:
+        os.environ["PWNED_MARKER"] = marker
+        (folder / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+        checkpoint._write_manifest(folder)  # a consistent manifest: verification passes
+    world.barrier()
+    try:
+        checkpoint.load(checkpoint.latest_valid(root), model, opt)  # type: ignore[arg-type]
+    except checkpoint.CheckpointError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_loading_never_runs_code_from_a_checkpoint(world2: World, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    for result in world2.run(check_refuses_code_in_metadata, str(tmp_path / "ck"), str(marker)):
+        assert "cannot load checkpoint" in result and "posix.system" in result
+        assert "not DCP metadata" in result
+    assert not marker.exists()
