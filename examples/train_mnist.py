@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader
 
 import lockstep
 from lockstep.data import mnist
-from lockstep.demo import small_cnn
+from lockstep.models import small_cnn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)

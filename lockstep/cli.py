@@ -27,21 +27,20 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own options (see `lockstep demo -h`)
+        from lockstep import demo
+
+        return demo.main(argv[1:])
     parser = argparse.ArgumentParser(prog="lockstep", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_run(commands)
-    demo = commands.add_parser("demo", help="train a small CNN on real MNIST with 2 workers",
-                               add_help=False)
-    demo.add_argument("args", nargs=argparse.REMAINDER)
+    commands.add_parser("demo", help="train a small CNN on real MNIST, 1 then 2 workers")
     args = parser.parse_args(argv)
-    if args.command == "run":
-        return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
-                              module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
-                              rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                              max_restarts=args.max_restarts))
-    from lockstep import demo as demo_module
-
-    return demo_module.main(args.args)
+    return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+                          module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                          max_restarts=args.max_restarts))
 
 
 if __name__ == "__main__":

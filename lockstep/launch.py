@@ -68,12 +68,16 @@ def run(spec: LaunchSpec) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(spec.nproc)))
+    user_threads = os.environ.get("OMP_NUM_THREADS")  # the user's choice wins
+    os.environ["OMP_NUM_THREADS"] = user_threads or str(threads_per_worker(spec.nproc))
     try:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
     except ChildFailedError as failed:
         print(failure_summary(failed), file=sys.stderr)
         return exit_status(failed)
+    finally:  # a later launch from this process computes its own
+        if user_threads is None:
+            del os.environ["OMP_NUM_THREADS"]
     return 0
 
 

@@ -152,7 +152,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module,
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                 train_set: Dataset[Batch], eval_set: Dataset[Batch] | None = None,
+                 train_set: Dataset[Any], eval_set: Dataset[Any] | None = None,
                  loss_fn: LossFn = flat_cross_entropy, config: TrainConfig | None = None,
                  scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
                  callbacks: Sequence[Callable[[Trainer], None]] = ()) -> None:
@@ -175,6 +175,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
         self.state = TrainState()
+        self._checkpoint_seconds = 0.0
         self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed)  # type: ignore[arg-type]
 
     @property
@@ -198,21 +199,22 @@ class Trainer:
         self._start()
         runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
                         self.state.global_step, self.config.progress)
-        started, samples = time.perf_counter(), 0
+        samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
         try:
             while self.state.global_step < self.total_steps:
+                started, saving = time.perf_counter(), self._checkpoint_seconds
                 samples += self._train_epoch(runlog)
+                seconds += time.perf_counter() - started - (self._checkpoint_seconds - saving)
                 finished = self.state.global_step >= self.total_steps
                 if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
                     self._evaluate_and_record(runlog)
-            elapsed = time.perf_counter() - started
             metrics = self._evaluate_and_record(runlog)
         finally:
             runlog.close()
         if self.world.is_main:
             plot_run(self.run_dir)
         return {"steps": self.state.global_step,
-                "samples_per_s": samples / elapsed if samples else 0.0,
+                "samples_per_s": samples / seconds if samples else 0.0,
                 "test_loss": metrics.get("loss"), "test_accuracy": metrics.get("accuracy"),
                 "fingerprint": checkpoint.fingerprint(self.model.module),
                 "world_size": self.world.world_size, "run_dir": str(self.run_dir)}
@@ -339,15 +341,18 @@ class Trainer:
                 "position": self.state.step_in_epoch * self.plan.global_batch}
 
     def save_checkpoint(self) -> Path:
+        started = time.perf_counter()
         state = {"epoch": self.state.epoch, "step_in_epoch": self.state.step_in_epoch,
                  "global_step": self.state.global_step,
                  "global_batch_size": self.plan.global_batch,
                  "sampler": self._sampler_state(), "history": self.state.history,
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
                  "config": asdict(self.config)}
-        return checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
-                               self.model.module, self.optimizer, state,
-                               self.config.keep_checkpoints)
+        folder = checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
+                                 self.model.module, self.optimizer, state,
+                                 self.config.keep_checkpoints)
+        self._checkpoint_seconds += time.perf_counter() - started
+        return folder
 
     def _start(self) -> None:
         """Seed a fresh run, or restore one from its checkpoint."""
