@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
               "training;\n  sums taken in another order round differently, and training "
               "amplifies it)")
     print(f"weights fingerprint: {multi['fingerprint']}")
-    print(f"metrics, TensorBoard events and training.png in {multi['dir']}")
+    tensorboard = ", TensorBoard events" if (Path(multi["dir"]) / "tensorboard").exists() else ""  # type: ignore[arg-type]
+    print(f"metrics.jsonl{tensorboard} and training.png in {multi['dir']}")
     print(f"test accuracy: {multi['test_accuracy']:.2f}")
     print(f"({time.perf_counter() - started:.0f}s in all)")
     return 0
