@@ -20,6 +20,8 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--rdzv-endpoint", default=None,
                    help="HOST:PORT of the rendezvous (one host of the job) for several hosts")
     p.add_argument("--rdzv-id", default=None, help="job id shared by all hosts")
+    p.add_argument("--local-addr", default=None,
+                   help="this host's address as the other hosts reach it")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("-m", "--module", action="store_true", help="target is a module")
     p.add_argument("target", help="script path (or module name with -m)")
@@ -32,15 +34,21 @@ def main(argv: list[str] | None = None) -> int:
         from lockstep import demo
 
         return demo.main(argv[1:])
+    if argv[:1] == ["cluster"]:
+        from lockstep import cluster
+
+        return cluster.main(argv[1:])
     parser = argparse.ArgumentParser(prog="lockstep", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_run(commands)
     commands.add_parser("demo", help="train a small CNN on real MNIST, 1 then 2 workers")
+    commands.add_parser("cluster", help="run a command on each host of an emulated cluster "
+                        "(network namespaces with rate-limited links; needs root)")
     args = parser.parse_args(argv)
     return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
                           module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                          max_restarts=args.max_restarts))
+                          local_addr=args.local_addr, max_restarts=args.max_restarts))
 
 
 if __name__ == "__main__":

@@ -118,3 +118,40 @@ def broadcast_object(obj: Any, src: int, what: str, group: Group = None) -> Any:
     box = [obj]
     _run(what, dist.broadcast_object_list, box, src=src, group=group)
     return box[0]
+
+
+def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """A process group of `ranks` on the default backend. Collective: every rank of the
+    world must call it, in the same order, even those not in `ranks`."""
+    group = dist.new_group(ranks=list(ranks))
+    assert group is not None
+    return group
+
+
+def barrier(what: str, group: Group = None) -> None:
+    _run(what, dist.barrier, group=group)
+
+
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str,
+             group: Group = None) -> None:
+    """Send `send` to rank `dst` while receiving `recv` from rank `src` (global ranks)."""
+    ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+    for work in _run(what, dist.batch_isend_irecv, ops):
+        Pending(work, what).wait()
+
+
+def send(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> None:
+    work = _run(what, dist.isend, tensor, dst, group=group)
+    Pending(work, what).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> None:
+    work = _run(what, dist.irecv, tensor, src, group=group)
+    Pending(work, what).wait()
+
+
+def group_ranks(group: Group = None) -> list[int]:
+    """The global ranks in `group`, in group-rank order."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)

@@ -33,6 +33,8 @@ class LaunchSpec:
     rdzv_endpoint: str | None = None
     """HOST:PORT of the rendezvous, for jobs across hosts."""
     rdzv_id: str | None = None
+    local_addr: str | None = None
+    """This host's address as the others reach it (default: torchrun looks it up)."""
     max_restarts: int = 0
 
     def multi_host(self) -> bool:
@@ -54,7 +56,12 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
                  f"--rdzv-endpoint={spec.rdzv_endpoint}",
                  f"--rdzv-id={spec.rdzv_id or 'lockstep'}"]
         if spec.node_rank is not None:
-            argv.append(f"--node-rank={spec.node_rank}")
+            # Node 0 hosts the rendezvous store. torchrun otherwise guesses by matching the
+            # endpoint against this machine's names, which fails behind NAT or namespaces.
+            argv += [f"--node-rank={spec.node_rank}",
+                     f"--rdzv-conf=is_host={int(spec.node_rank == 0)}"]
+        if spec.local_addr is not None:
+            argv.append(f"--local-addr={spec.local_addr}")
     else:
         argv += ["--nnodes=1", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0",
                  f"--rdzv-id={uuid.uuid4()}"]

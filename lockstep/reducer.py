@@ -24,6 +24,7 @@ import torch
 from torch.autograd import Variable
 
 from lockstep import comm
+from lockstep.algorithms import AllReduce, Handle, Native
 from lockstep.buckets import (
     MB,
     BucketSpec,
@@ -41,15 +42,16 @@ class UnusedParameterError(RuntimeError):
 class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it."""
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], label: str):
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], label: str,
+                 algorithm: AllReduce) -> None:
         self.spec = spec
         self.params = [params[i] for i in spec.param_indices]
         first = self.params[0]
-        self.flat = torch.zeros(spec.numel, dtype=first.dtype, device=first.device)
+        self.flat = algorithm.allocate(spec.numel, first.dtype, first.device)
         self.views = [self.flat[offset:offset + p.numel()].view_as(p)
                       for offset, p in zip(spec.offsets, self.params, strict=True)]
         self.waiting = len(self.params)  # parameters not yet ready in this backward
-        self.pending: comm.Pending | None = None
+        self.pending: Handle | None = None
         self.label = label
 
 
@@ -63,12 +65,13 @@ class Reducer:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
                  bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
-                 group: comm.Group = None) -> None:
+                 group: comm.Group = None, algorithm: AllReduce | None = None) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
         self.find_unused = find_unused
         self.group = group
+        self.algorithm = algorithm or Native(group)
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
         self.sync_enabled = True
@@ -90,7 +93,7 @@ class Reducer:
         slots = _slots(self.params)
         specs = plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
         self.buckets = [Bucket(spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
-                                                  f"({spec.numel} x {spec.dtype})")
+                               f"({spec.numel} x {spec.dtype})", self.algorithm)
                         for k, spec in enumerate(specs)]
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
@@ -146,7 +149,7 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
-            bucket.pending = comm.all_reduce_async(bucket.flat, bucket.label, self.group)
+            bucket.pending = self.algorithm.start(bucket.flat, bucket.label)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -188,6 +191,7 @@ class Reducer:
             assert bucket.pending is not None
             bucket.pending.wait()
             bucket.pending = None
+        self.algorithm.end_of_backward()
 
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
@@ -236,10 +240,12 @@ class Reducer:
         finally:
             self._reset_for_next_backward()
 
-    def remove_hooks(self) -> None:
+    def close(self) -> None:
+        """Detach from the parameters and stop the algorithm's thread."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self.algorithm.close()
 
 
 def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.algorithms import make_algorithm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB
 from lockstep.diagnostics import reporter
 from lockstep.reducer import Reducer, trainable
@@ -88,12 +89,15 @@ class DataParallel(nn.Module):
             every grad-enabled forward.
         first_bucket_mb: cap on the first bucket, small so communication starts early.
         group: the process group to average over (default: everyone).
+        algorithm: how buckets are summed: "native" (the backend's all-reduce), "ring",
+            "tree", "shm" (shared memory, one host) or "hierarchical" (shm inside hosts,
+            the network between them). See algorithms.py.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25.0, *, find_unused: bool = False,
                  broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
-                 group: comm.Group = None) -> None:
+                 group: comm.Group = None, algorithm: str = "native") -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
@@ -105,7 +109,8 @@ class DataParallel(nn.Module):
         comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                "broadcast of rank 0's parameters and buffers", group)
         self.reducer = Reducer(trainable(module), int(bucket_mb * MB), int(first_bucket_mb * MB),
-                               find_unused, group)
+                               find_unused, group,
+                               make_algorithm(algorithm, group, self.world.local_world_size))
         self._join: Any = None  # the active Join, when inside `join()`
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

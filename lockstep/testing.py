@@ -39,9 +39,12 @@ def _context() -> Any:
 
 def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
             tasks: Any, results: Any, env: dict[str, str]) -> None:
+    # One host by default; LOCAL_WORLD_SIZE in `env` splits the world into emulated hosts.
+    local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank % local_world_size),
+                      LOCAL_WORLD_SIZE=str(local_world_size))
     import torch
     import torch.distributed as dist
 

@@ -1,0 +1,124 @@
+"""Every reduction algorithm gives native's averages, at world sizes 2, 3 and 4, on one host
+and on emulated hosts (LOCAL_WORLD_SIZE splitting the world), raw and through training."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import lockstep
+from lockstep.algorithms import ALGORITHMS, make_algorithm
+from lockstep.testing import World
+from lockstep.topology import check_layout, peers_across_hosts, ranks_on_host
+from tests.models import batch, digest, loss_of, make_model, make_optimizer
+
+SIZES = (1, 2, 5, 1000, 65_537)  # odd sizes: chunks and slices of unequal length
+
+
+def usable(world: lockstep.World) -> list[str]:
+    one_host = world.local_world_size == world.world_size
+    return [a for a in ALGORITHMS if a != "shm" or one_host]
+
+
+def check_raw_sums() -> dict[str, float]:
+    """Sum rank-dependent data of awkward sizes; compare with the exact answer."""
+    world = lockstep.init()
+    errors = {}
+    for name in usable(world):
+        algorithm = make_algorithm(name, None, world.local_world_size)
+        worst = 0.0
+        for numel in SIZES:
+            generator = torch.Generator().manual_seed(numel)
+            values = torch.randn(world.world_size, numel, generator=generator, dtype=torch.float64)
+            flat = algorithm.allocate(numel, torch.float64, torch.device("cpu"))
+            flat.copy_(values[world.rank])
+            algorithm.start(flat, f"test bucket of {numel}").wait()
+            algorithm.end_of_backward()
+            worst = max(worst, (flat - values.sum(0)).abs().max().item())
+        algorithm.close()
+        errors[name] = worst
+    return errors
+
+
+def check_training() -> dict[str, tuple[float, str]]:
+    """Train the transformer with each algorithm; report the gap to native and a digest."""
+    world = lockstep.init()
+    results: dict[str, tuple[float, str]] = {}
+    reference: list[torch.Tensor] = []
+    for name in usable(world):
+        net = make_model("transformer")
+        model = lockstep.DataParallel(net, bucket_mb=0.01, algorithm=name)
+        opt = make_optimizer("adamw", model.parameters())
+        for step in range(6):
+            x, y = batch("transformer", step * world.world_size + world.rank, 8)
+            opt.zero_grad()
+            with model.no_sync():  # accumulation composes with every algorithm
+                loss_of("transformer", model, x[:4], y[:4]).backward()
+            loss_of("transformer", model, x[4:], y[4:]).backward()
+            opt.step()
+        model.reducer.close()
+        weights = [t.detach().clone() for t in net.state_dict().values()]
+        reference = reference or weights
+        gap = max((a - b).abs().max().item() for a, b in zip(weights, reference))
+        results[name] = (gap, digest(net))
+    return results
+
+
+@pytest.fixture(scope="module")
+def world4() -> Iterator[World]:
+    with World(4) as world:
+        yield world
+
+
+@pytest.fixture(scope="module")
+def two_hosts() -> Iterator[World]:
+    """4 ranks as 2 emulated hosts of 2: hierarchical's cross-host stage is exercised."""
+    with World(4, env={"LOCAL_WORLD_SIZE": "2"}) as world:
+        yield world
+
+
+@pytest.fixture(params=["world2", "world3", "world4", "two_hosts"])
+def any_world(request: pytest.FixtureRequest) -> World:
+    return request.getfixturevalue(request.param)
+
+
+def test_every_algorithm_sums_exactly(any_world: World) -> None:
+    for errors in any_world.run(check_raw_sums):
+        assert set(errors) >= {"native", "ring", "tree", "hierarchical"}
+        for name, error in errors.items():
+            assert error < 1e-12, f"{name}: {error:.2e}"
+
+
+def test_every_algorithm_trains_like_native(any_world: World) -> None:
+    per_rank = any_world.run(check_training)
+    for name in per_rank[0]:
+        assert max(r[name][0] for r in per_rank) < 1e-5, name
+        assert len({r[name][1] for r in per_rank}) == 1, f"{name}: replicas differ"
+
+
+def check_shm_across_hosts_is_refused() -> str:
+    world = lockstep.init()
+    try:
+        make_algorithm("shm", None, world.local_world_size)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_shm_across_hosts_is_a_clear_error(two_hosts: World) -> None:
+    for rank, message in enumerate(two_hosts.run(check_shm_across_hosts_is_refused)):
+        assert f"rank {rank}:" in message and "algorithm='hierarchical'" in message
+
+
+def test_topology_planning() -> None:
+    assert ranks_on_host(1, 3) == [3, 4, 5]
+    assert peers_across_hosts(1, hosts=3, local_world_size=2) == [1, 3, 5]
+    with pytest.raises(ValueError, match="whole number of hosts"):
+        check_layout(6, 4)
+
+
+def test_unknown_algorithm_is_rejected() -> None:
+    with pytest.raises(ValueError, match="one of native, ring, tree, shm, hierarchical"):
+        make_algorithm("butterfly", None, 1)
