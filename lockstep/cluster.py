@@ -181,8 +181,7 @@ class Cluster:
     def run(self, commands: Sequence[Sequence[str]], timeout: float = 600.0,
             extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
         """Run commands[i] on host i, all at once; wait for all. If one fails, the others
-        are stopped (a job cannot finish without a host). `{host}` and `{host0}` in a
-        command are replaced by the host's index and host 0's address."""
+        are stopped (a job cannot finish without a host). Placeholders as in `expand`."""
         if len(commands) != self.hosts:
             raise ValueError(f"{len(commands)} commands for {self.hosts} hosts")
         procs = [self.popen(h, self.expand(cmd, h), extra_env, stdout=subprocess.PIPE,
@@ -190,8 +189,10 @@ class Cluster:
         return _wait_all(procs, timeout)
 
     def expand(self, command: Sequence[str], host: int) -> list[str]:
-        return [part.replace("{host}", str(host)).replace("{host0}", self.address(0))
-                for part in command]
+        """Fill in `{host}` (this host's index), `{addr}` (its address) and `{host0}`
+        (host 0's address, where a rendezvous can live)."""
+        return [part.replace("{host}", str(host)).replace("{addr}", self.address(host))
+                .replace("{host0}", self.address(0)) for part in command]
 
 
 def _wait_all(procs: list[subprocess.Popen[str]], timeout: float
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--bandwidth", default="1gbit", help="per-host link rate, or 'none'")
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="run on every host; {host} and {host0} are filled in")
+                        help="run on every host; {host}, {addr} and {host0} are filled in")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:

@@ -1,0 +1,112 @@
+"""The emulated cluster: hosts as network namespaces with shaped links, always torn down,
+and a real 2-host x 2-process job through torchrun's rendezvous that trains exactly like one
+process. Needs root: without it these tests skip, saying so."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lockstep.cluster import Cluster, cluster_available, parse_bandwidth
+from tests import multihost_job
+
+REASON = cluster_available()
+needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"no emulated cluster: {REASON}")
+BIN = Path(sys.executable).parent
+
+
+def namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def test_bandwidth_parsing() -> None:
+    assert parse_bandwidth("100mbit") == 1e8 and parse_bandwidth("1gbit") == 1e9
+    with pytest.raises(ValueError, match="like 100mbit"):
+        parse_bandwidth("fast")
+
+
+@needs_namespaces
+def test_hosts_exist_inside_and_are_removed_even_when_a_command_fails() -> None:
+    with pytest.raises(RuntimeError, match="boom"), Cluster(hosts=3, bandwidth="100mbit") as c:
+        assert {c.netns(h) for h in range(3)} <= namespaces()
+        results = c.run([["sh", "-c", "ip -o -4 addr show; exit 0"],
+                         ["sh", "-c", "exit 3"], ["sleep", "30"]], timeout=60)
+        assert c.address(0) in results[0].stdout
+        assert results[1].returncode == 3
+        assert results[2].returncode != 0  # stopped because host 1 failed, not after 30 s
+        raise RuntimeError("boom")
+    assert not {c.netns(h) for h in range(3)} & namespaces()
+    assert c.bridge not in links() and f"lsv{c.tag}" not in links()
+
+
+@needs_namespaces
+def test_links_are_shaped_to_the_given_bandwidth(tmp_path: Path) -> None:
+    script = tmp_path / "throughput.py"
+    script.write_text(
+        "import socket, sys, time\n"
+        "if sys.argv[1] == '0':\n"
+        "    s = socket.create_server(('0.0.0.0', 5601)); c, _ = s.accept(); n = 0\n"
+        "    t = time.time()\n"
+        "    while (d := c.recv(1 << 20)): n += len(d)\n"
+        "    print(n * 8 / (time.time() - t) / 1e6)\n"
+        "else:\n"
+        "    time.sleep(0.5); c = socket.create_connection((sys.argv[2], 5601))\n"
+        "    for _ in range(16): c.sendall(b'x' * (1 << 20))\n")
+    with Cluster(hosts=2, bandwidth="100mbit") as c:
+        results = c.run([[sys.executable, str(script), "{host}", "{host0}"]] * 2, timeout=60)
+    mbit = float(results[0].stdout)
+    assert 70 < mbit < 105, f"{mbit:.0f} Mbit/s through a 100 Mbit/s link"
+
+
+@needs_namespaces
+def test_sigterm_tears_the_cluster_down(tmp_path: Path) -> None:
+    proc = subprocess.Popen([str(BIN / "lockstep"), "cluster", "--hosts", "2", "--", "sleep",
+                             "60"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(n.startswith("lockstep-") for n in
+                                                  namespaces()):
+        time.sleep(0.1)
+    made = {n for n in namespaces() if n.startswith("lockstep-")}
+    assert made, "the cluster never came up"
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert not made & namespaces()
+
+
+def reference_weights() -> dict[str, torch.Tensor]:
+    net = multihost_job.model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(multihost_job.STEPS):
+        x, y = multihost_job.global_batch(step, 4 * multihost_job.PER_RANK)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    return net.state_dict()
+
+
+@needs_namespaces
+@pytest.mark.parametrize("algorithm", ["native", "hierarchical"])
+def test_two_hosts_of_two_train_like_one_process(tmp_path: Path, algorithm: str) -> None:
+    out = tmp_path / "weights.pt"
+    job = [str(BIN / "lockstep"), "run", "-n", "2", "--nnodes", "2", "--node-rank", "{host}",
+           "--rdzv-endpoint", "{host0}:29400", "--local-addr", "{addr}",
+           str(Path(multihost_job.__file__)), str(out), algorithm]
+    with Cluster(hosts=2, bandwidth="1gbit") as c:
+        results = c.run([job, job], timeout=240)
+    assert all(r.returncode == 0 for r in results), results[0].stderr[-2000:] + \
+        results[1].stderr[-2000:]
+    assert "trained on 4 ranks, 2 hosts" in results[0].stdout + results[1].stdout
+    trained = torch.load(out, weights_only=True)
+    for name, expected in reference_weights().items():
+        assert (trained[name] - expected).abs().max().item() < 5e-5, name
