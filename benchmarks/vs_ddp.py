@@ -1,10 +1,11 @@
 """lockstep.DataParallel against torch's DistributedDataParallel, side by side in one run.
 
-Two ranks on this machine train the same models on the same data three ways: lockstep,
-torch DDP, and no communication at all (each rank alone: the ceiling). Rounds alternate
-lockstep and DDP in ABBA order so drift in machine load hits both alike; the printed
-numbers are medians of per-round ratios, since absolute times on a shared machine mean
-little.
+Two ranks on this machine train the same models on the same data four ways: lockstep with
+its default (native) reduction, torch DDP, lockstep with algorithm="shm", and no
+communication at all (each rank alone: the ceiling that sync efficiency is measured
+against). Every round runs the modes in a palindrome, ABBA-style, reversed every other
+round, so drift in machine load hits all alike; the printed numbers are medians of
+per-round ratios, since absolute times on a shared machine mean little.
 
     python benchmarks/vs_ddp.py            # launches 2 local workers itself
     python benchmarks/vs_ddp.py --rounds 12 --steps 20
@@ -77,26 +78,32 @@ def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, flo
     steps_by_mode = {
         "lockstep": make_step(lockstep.DataParallel(_copy(base)), x),
         "ddp": make_step(DDP(_copy(base)), x),
+        "lockstep-shm": make_step(lockstep.DataParallel(_copy(base), algorithm="shm"), x),
         "local": make_step(_copy(base), x),
     }
     for step in steps_by_mode.values():  # warm up allocators, bucket rebuilds, caches
         for _ in range(3):
             step()
-    ratios, efficiency_ls, efficiency_ddp = [], [], []
+    # A palindrome (A B C D D C B A), reversed every round: drift in machine load over a
+    # round hits every mode alike.
+    palindrome = list(steps_by_mode) + list(reversed(steps_by_mode))
+    per_round: dict[str, list[float]] = {mode: [] for mode in steps_by_mode}
     for r in range(rounds):
-        order = ["lockstep", "ddp", "ddp", "lockstep"] if r % 2 == 0 else \
-            ["ddp", "lockstep", "lockstep", "ddp"]
-        seconds = {"lockstep": 0.0, "ddp": 0.0}
-        for mode in order:
+        seconds = dict.fromkeys(steps_by_mode, 0.0)
+        for mode in palindrome if r % 2 == 0 else list(reversed(palindrome)):
             seconds[mode] += timed(steps_by_mode[mode], steps, True)
-        local = 2 * timed(steps_by_mode["local"], steps, True)
-        ratios.append(seconds["ddp"] / seconds["lockstep"])  # throughput ratio lockstep/DDP
-        efficiency_ls.append(local / seconds["lockstep"])
-        efficiency_ddp.append(local / seconds["ddp"])
-    return {"ratio": statistics.median(ratios),
-            "eff_lockstep": statistics.median(efficiency_ls),
-            "eff_ddp": statistics.median(efficiency_ddp),
-            "samples_per_s": 2 * batch * 2 * steps / seconds["lockstep"]}
+        for mode in steps_by_mode:
+            per_round[mode].append(seconds[mode])
+
+    def ratio(slower: str, faster: str) -> float:
+        """Median over rounds of time(slower) / time(faster) = throughput(faster/slower)."""
+        return statistics.median(a / b for a, b in zip(per_round[slower], per_round[faster],
+                                                       strict=True))
+
+    return {"ratio": ratio("ddp", "lockstep"), "ratio_shm": ratio("ddp", "lockstep-shm"),
+            "eff_lockstep": ratio("local", "lockstep"), "eff_ddp": ratio("local", "ddp"),
+            "eff_shm": ratio("local", "lockstep-shm"),
+            "samples_per_s": 2 * batch * 2 * steps / statistics.median(per_round["lockstep"])}
 
 
 def _copy(module: nn.Module) -> nn.Module:
@@ -113,7 +120,9 @@ def worker(args: argparse.Namespace) -> None:
         if world.is_main:
             print(f"{name:22s} throughput ratio lockstep/DDP: {result['ratio']:.3f}   "
                   f"sync efficiency lockstep {result['eff_lockstep']:.2f}, "
-                  f"DDP {result['eff_ddp']:.2f}   ({result['samples_per_s']:.0f} samples/s)",
+                  f"DDP {result['eff_ddp']:.2f}   ({result['samples_per_s']:.0f} samples/s)\n"
+                  f"{'':22s} with algorithm='shm': ratio lockstep/DDP "
+                  f"{result['ratio_shm']:.3f}   sync efficiency {result['eff_shm']:.2f}",
                   flush=True)
     world.shutdown()
 

@@ -1,0 +1,213 @@
+"""All-reduce algorithms side by side: bus bandwidth over message sizes, measured and
+predicted by the alpha-beta model, on loopback and on an emulated cluster.
+
+    python benchmarks/allreduce.py              # loopback, then 2 hosts x 2 at 1gbit and 100mbit
+    python benchmarks/allreduce.py --settings loopback
+
+Settings (each a separate job, its algorithms measured in the same run):
+  loopback   2 ranks on this host
+  1gbit      2 emulated hosts x 2 processes, 1 Gbit/s links (needs root for namespaces)
+  100mbit    the same at 100 Mbit/s, up to 16 MB messages (a 64 MB one takes ~10 s)
+
+Every rank starts each all-reduce together (a barrier) and the slowest rank's time counts.
+Prints one table per setting, checks the issue's targets, and writes allreduce.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import lockstep
+from lockstep import comm, costmodel
+from lockstep.algorithms import make_algorithm
+from lockstep.cluster import Cluster, cluster_available
+from lockstep.launch import LaunchSpec, run
+
+KB, MB = 1024, 1024 * 1024
+SETTINGS = {
+    "loopback": {"hosts": 1, "algorithms": ["native", "ring", "tree", "shm"], "max": 64 * MB},
+    "1gbit": {"hosts": 2, "algorithms": ["native", "ring", "tree", "hierarchical"],
+              "max": 64 * MB},
+    "100mbit": {"hosts": 2, "algorithms": ["native", "ring", "hierarchical"], "max": 16 * MB},
+}
+SIZES = [4 * KB * 4 ** i for i in range(9)]  # 4 KB .. 64 MB
+
+
+def time_all_reduce(algorithm: str, nbytes: int, world: lockstep.World,
+                    budget_s: float = 1.0) -> float:
+    """Median seconds per all-reduce (the slowest rank's), over repeats within a budget."""
+    algo = make_algorithm(algorithm, None, world.local_world_size)
+    flat = algo.allocate(nbytes // 4, torch.float32, torch.device("cpu"))
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 2 or (spent < budget_s and len(times) < 10):
+        comm.barrier("bench: start together")
+        started = time.perf_counter()
+        algo.start(flat, f"{nbytes} bytes").wait()
+        algo.end_of_backward()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        comm.all_reduce(elapsed, "bench: slowest rank", op=torch.distributed.ReduceOp.MAX)
+        if spent > 0 or nbytes < MB:  # the first large one warms buffers and connections
+            times.append(elapsed.item())
+        spent += elapsed.item()
+    algo.close()
+    return statistics.median(times)
+
+
+def worker(setting: str, out: Path) -> None:
+    world = lockstep.init()
+    spec = SETTINGS[setting]
+    hosts = world.num_hosts
+    # The slowest link a flat algorithm crosses: to another host if there is one.
+    link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
+                           large_bytes=(1 * MB if "mbit" in setting else 8 * MB))
+    local = costmodel.probe(0, 1) if world.local_world_size > 1 else link
+    barrier = costmodel.barrier_cost()
+    rows = []
+    for algorithm in spec["algorithms"]:
+        for nbytes in [s for s in SIZES if s <= spec["max"]]:
+            seconds = time_all_reduce(algorithm, nbytes, world)
+            predicted = costmodel.predict(algorithm, nbytes, world.world_size,
+                                          world.local_world_size, link, local, barrier)
+            rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,
+                         "predicted": predicted})
+            if world.is_main:
+                print(f"  {setting:8s} {algorithm:12s} {nbytes / KB:8.0f} KB  "
+                      f"{seconds * 1e3:9.2f} ms", flush=True)
+    if world.is_main:
+        out.write_text(json.dumps({"setting": setting, "world_size": world.world_size,
+                                   "hosts": hosts, "link": costmodel.describe(link),
+                                   "local": costmodel.describe(local), "rows": rows}))
+
+
+def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
+    spec = SETTINGS[setting]
+    args = ["--worker", setting, "--result", str(out)]
+    if spec["hosts"] == 1:
+        code = run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=args))
+        return json.loads(out.read_text()) if code == 0 else None
+    reason = cluster_available()
+    if reason is not None:
+        print(f"skipping {setting}: no emulated cluster here ({reason})")
+        return None
+    job = [sys.executable, "-m", "lockstep.cli", "run", "-n", "2", "--nnodes", "2",
+           "--node-rank", "{host}", "--rdzv-endpoint", "{host0}:29410", "--local-addr",
+           "{addr}", os.path.abspath(__file__), *args]
+    with Cluster(hosts=2, bandwidth=setting) as cluster:
+        results = cluster.run([job, job], timeout=1800)
+    for r in results:
+        print(r.stdout, end="")
+    if any(r.returncode for r in results):
+        print(results[0].stderr[-3000:], results[1].stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(out.read_text())
+
+
+def report(result: dict[str, object]) -> list[str]:
+    rows, n = result["rows"], result["world_size"]  # type: ignore[index]
+    print(f"\n{result['setting']}: {n} ranks on {result['hosts']} host(s); link "
+          f"{result['link']}; inside a host {result['local']}")
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))  # type: ignore[union-attr]
+    sizes = sorted({r["bytes"] for r in rows})  # type: ignore[union-attr]
+    table = {(r["algorithm"], r["bytes"]): r for r in rows}  # type: ignore[union-attr]
+    print("bus bandwidth, GB/s (measured / predicted)")
+    print(f"{'size':>9s} " + " ".join(f"{a:>19s}" for a in algorithms))
+    for size in sizes:
+        cells = []
+        for a in algorithms:
+            r = table[(a, size)]
+            cells.append(f"{costmodel.bus_bandwidth(size, r['seconds'], n) / 1e9:8.3f} / "
+                         f"{costmodel.bus_bandwidth(size, r['predicted'], n) / 1e9:8.3f}")
+        print(f"{_size(size):>9s} " + " ".join(f"{c:>19s}" for c in cells))
+    return _targets(result["setting"], table, algorithms, sizes)  # type: ignore[arg-type]
+
+
+def _targets(setting: str, table: dict[tuple[str, int], dict[str, float]],
+             algorithms: list[str], sizes: list[int]) -> list[str]:
+    lines = []
+    large = [s for s in sizes if s >= 16 * MB]
+    if setting in ("loopback", "1gbit") and large:
+        worst = min(table[("native", s)]["seconds"] / table[("ring", s)]["seconds"]
+                    for s in large)
+        lines.append(f"{setting}: ring / native bus bandwidth at 16 MB and up: worst "
+                     f"{worst:.2f} (target >= 0.80)")
+    if setting == "100mbit":
+        ratios = [table[("native", s)]["seconds"] / table[("hierarchical", s)]["seconds"]
+                  for s in sizes if s >= MB]
+        lines.append(f"100mbit: hierarchical / native speed at 1 MB and up: "
+                     f"{', '.join(f'{r:.2f}' for r in ratios)} (target > 1)")
+    errors = [abs(table[(a, s)]["predicted"] / table[(a, s)]["seconds"] - 1)
+              for a in algorithms for s in sizes if s >= 4 * MB]
+    if errors:
+        lines.append(f"{setting}: prediction error at 4 MB and up: median "
+                     f"{statistics.median(errors):.0%}, worst {max(errors):.0%} "
+                     "(target within 25%)")
+    return lines
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // KB} KB"
+
+
+def plot(results: list[dict[str, object]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
+    for ax, result in zip(axes[0], results, strict=True):
+        n, rows = result["world_size"], result["rows"]  # type: ignore[index]
+        for i, a in enumerate(dict.fromkeys(r["algorithm"] for r in rows)):  # type: ignore[union-attr]
+            mine = [r for r in rows if r["algorithm"] == a]  # type: ignore[union-attr]
+            sizes = [r["bytes"] for r in mine]
+            ax.plot(sizes, [costmodel.bus_bandwidth(r["bytes"], r["seconds"], n) / 1e9
+                            for r in mine], "o-", color=f"C{i}", label=f"{a}")
+            ax.plot(sizes, [costmodel.bus_bandwidth(r["bytes"], r["predicted"], n) / 1e9
+                            for r in mine], "--", color=f"C{i}", alpha=0.6)
+        ax.set(xscale="log", title=f"{result['setting']}: {n} ranks, {result['hosts']} host(s)",
+               xlabel="message bytes", ylabel="bus bandwidth GB/s (dashed: model)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--out", default="runs/bench/allreduce")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker, Path(args.result))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, checks = [], []
+    for setting in args.settings:
+        print(f"measuring {setting} ...", flush=True)
+        result = launch_setting(setting, (out / f"{setting}.json").resolve())
+        if result is not None:
+            results.append(result)
+    for result in results:
+        checks += report(result)
+    print("\n" + "\n".join(checks))
+    if results:
+        plot(results, out / "allreduce.png")
+        print(f"plot: {out / 'allreduce.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
