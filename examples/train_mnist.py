@@ -40,6 +40,6 @@ for epoch in range(args.epochs):
 
 if world.is_main:                                    # every replica is identical: ask one
     with torch.no_grad():
-        images, labels = test_set.tensors
+        images, labels = (t.to(world.device) for t in test_set.tensors)
         accuracy = (model.module.eval()(images).argmax(1) == labels).float().mean().item()
     print(f"test accuracy: {accuracy:.2f}")

@@ -6,6 +6,7 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -46,11 +47,17 @@ class Pending:
             raise _explain(self.what, error, self.started) from error
 
 
+def _backend_message(error: BaseException) -> str:
+    """The backend's words, without its source path and its boilerplate advice."""
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(error).strip())
+    return text.split(" This is typically caused")[0][:300]
+
+
 def _explain(what: str, error: BaseException, started: float) -> CollectiveError:
     rank, size = dist.get_rank(), dist.get_world_size()
     waited = time.monotonic() - started
     return CollectiveError(
-        f"rank {rank}: {what} failed after {waited:.1f}s: {str(error).strip()[:400]}\n"
+        f"rank {rank}: {what} failed after {waited:.1f}s: {_backend_message(error)}\n"
         f"{explain_stall(rank, size)}")
 
 

@@ -73,6 +73,13 @@ def _idx_file(folder: Path, stem: str) -> Path:
         "(apt-get install dataset-fashion-mnist) or pass the folder holding the IDX files.")
 
 
+def check_fashion_mnist(path: str | Path = FASHION_MNIST_DIR) -> None:
+    """Raise FileNotFoundError, saying what to install, unless all four files are there."""
+    for prefix in ("train", "t10k"):
+        for kind in ("images-idx3", "labels-idx1"):
+            _idx_file(Path(path), f"{prefix}-{kind}-ubyte")
+
+
 def fashion_mnist(path: str | Path = FASHION_MNIST_DIR) -> tuple[TensorDataset, TensorDataset]:
     """Fashion-MNIST (60,000 train / 10,000 test) from IDX files in `path`."""
     folder = Path(path)

@@ -87,7 +87,7 @@ def explain_stall(rank: int, world_size: int) -> str:
         return "No progress reports were found (the store may be gone with rank 0)."
     now = time.time()
     parts = [f"rank {r}: step {s}{' (exited)' if state == 'exited' else ''}, "
-             f"last report {now - stamp:.0f}s ago" for r, (s, state, stamp) in
+             f"last report {max(0.0, now - stamp):.0f}s ago" for r, (s, state, stamp) in
              sorted(progress.items())]
     text = "Progress by rank: " + "; ".join(parts) + "."
     silent = [r for r in range(world_size) if r not in progress]
@@ -99,7 +99,9 @@ def explain_stall(rank: int, world_size: int) -> str:
                  "data early (uneven inputs), wrap the loop in `with model.join():` or give "
                  "every rank the same number of batches (lockstep.ShardedSampler does).")
     elif behind:
-        text += f" Rank(s) {behind} are behind: look at what they are doing (py-spy dump)."
+        text += (f" Rank(s) {behind} are behind: if they have no more data (uneven inputs), "
+                 "wrap the loop in `with model.join():`; if they are stuck, `py-spy dump "
+                 "--pid PID` shows where.")
     if silent:
         text += f" Rank(s) {silent} never reported progress."
     return text

@@ -1,19 +1,22 @@
 """`lockstep run`: start workers through torchrun's own machinery (torch.distributed.run).
 
-What it adds to plain torchrun: OMP_NUM_THREADS set to cores / local workers (so N workers
-do not fight over the cores), a worker entry that records each worker's traceback, and a
-short summary on failure -- which worker failed, its exit code and its traceback -- after
-torchrun has stopped the others. A script written for lockstep also runs unchanged under
-plain `torchrun`, and vice versa.
+What it adds to plain torchrun: the script is checked (exists, parses) before any worker
+starts; OMP_NUM_THREADS is set to cores / local workers (so N workers do not fight over the
+cores); and on failure, after torchrun has stopped the others, one summary: which worker
+failed first, its traceback once, and one line on how each other worker ended. A script
+written for lockstep also runs unchanged under plain `torchrun`, and vice versa.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 import signal
 import sys
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -75,6 +78,12 @@ def run(spec: LaunchSpec) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    problem = check_target(spec)
+    if problem is not None:
+        print(f"lockstep run: {problem}", file=sys.stderr)
+        return 2
+    # torchrun's own process-management log repeats what the summary below says, better.
+    logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
     user_threads = os.environ.get("OMP_NUM_THREADS")  # the user's choice wins
     os.environ["OMP_NUM_THREADS"] = user_threads or str(threads_per_worker(spec.nproc))
     try:
@@ -107,27 +116,52 @@ def root_cause(failed: Any) -> tuple[int, Any]:
 
 def _traceback(failure: Any) -> str | None:
     message = failure.message
+    if not isinstance(message, dict):
+        return None
+    return _user_frames(str(message.get("extraInfo", {}).get("py_callstack")
+                            or message.get("message")))
+
+
+def _user_frames(traceback: str) -> str:
+    """Drop the frames of lockstep's worker entry and runpy: they are the same every time
+    and stand between the user and their own code."""
+    kept, skipping = [], False
+    for line in traceback.splitlines():
+        if line.startswith('  File "'):
+            skipping = "lockstep/entry.py" in line or "<frozen runpy>" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
+
+def _outcome(failure: Any) -> str:
+    """One line on how a worker ended."""
+    message = failure.message
     if isinstance(message, dict):
-        return str(message.get("extraInfo", {}).get("py_callstack") or message.get("message"))
-    return None
+        return str(message.get("message", "")).strip().splitlines()[0][:300]
+    if failure.exitcode == -signal.SIGTERM:
+        return "stopped by the launcher"
+    if failure.exitcode < 0:
+        return f"killed by {message}"
+    return f"exited with code {failure.exitcode}"
 
 
 def failure_summary(failed: Any) -> str:
     rank, failure = root_cause(failed)
-    others = sorted(r for r in failed.failures if r != rank)
     traceback = _traceback(failure)
     # A worker that raised may still be SIGTERMed by torchrun while it exits, so its exit
     # code is not the story; the recorded exception is.
-    how = ("raised an exception" if traceback is not None
-           else f"was killed by {failure.message}" if failure.exitcode < 0
-           else f"exited with code {failure.exitcode}")
+    how = "raised an exception" if traceback is not None else _outcome(failure)
     lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
-             f"{failure.pid}) {how}; the other workers were stopped."]
+             f"{failure.pid}) {how}; the job was stopped."]
     if traceback is not None:
-        lines.append(traceback)
+        lines.append(traceback.rstrip())
+    others = sorted(r for r in failed.failures if r != rank)
     if others:
-        lines.append(f"(rank(s) {others} also ended with errors, most likely because rank "
-                     f"{rank} left while they waited for it)")
+        lines.append("the other workers:")
+        lines += [f"  rank {r}: {_outcome(failed.failures[r])}" for r in others]
     return "\n".join(lines)
 
 
@@ -136,3 +170,22 @@ def exit_status(failed: Any) -> int:
     if _traceback(failure) is not None or failure.exitcode <= 0:
         return 1
     return int(failure.exitcode)
+
+
+def check_target(spec: LaunchSpec) -> str | None:
+    """Why the target cannot run, found before any worker starts (None if it looks fine)."""
+    if spec.module:
+        try:
+            found = importlib.util.find_spec(spec.target)
+        except (ImportError, ValueError):
+            found = None
+        return None if found is not None else f"no module named {spec.target!r}"
+    path = Path(spec.target)
+    if not path.is_file():
+        return f"no such file: {spec.target}"
+    try:
+        compile(path.read_bytes(), str(path), "exec")
+    except SyntaxError as error:
+        return (f"{spec.target}, line {error.lineno}: {error.msg}\n"
+                f"    {(error.text or '').rstrip()}")
+    return None

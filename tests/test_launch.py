@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -64,8 +65,11 @@ def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path) -> None
                     env={"CRASH_AT": "2"})
     assert result.returncode == 1
     assert "worker rank 1" in result.stderr and "raised an exception" in result.stderr
-    assert "ValueError: bad batch at step 2" in result.stderr
-    assert 'train.py", line' in result.stderr  # the user's own frame, not just ours
+    assert 'train.py", line' in result.stderr  # the user's own frame
+    assert "runpy" not in result.stderr and "entry.py" not in result.stderr  # not ours
+    # The traceback once (in the summary), plus the failing worker's own one-line notice.
+    assert result.stderr.count("ValueError: bad batch at step 2") == 2
+    assert "the other workers:\n  rank 0: CollectiveError" in result.stderr
 
 
 def test_the_same_script_runs_under_plain_torchrun(script: Path) -> None:
@@ -79,3 +83,15 @@ def test_without_a_launcher_it_is_a_world_of_one(script: Path) -> None:
     result = launch(sys.executable, str(script))
     assert result.returncode == 0, result.stderr
     assert "rank 0/1 grad 0.00" in result.stdout
+
+
+def test_a_missing_or_broken_script_is_reported_before_any_worker_starts(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(:\n    pass\n")
+    for target, expected in ((tmp_path / "absent.py", "no such file"),
+                             (broken, "line 1: invalid syntax")):
+        started = time.monotonic()
+        result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(target))
+        assert result.returncode == 2
+        assert expected in result.stderr and "Traceback" not in result.stderr
+        assert time.monotonic() - started < 10
