@@ -17,6 +17,7 @@ The path one step takes:
 
 from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
+from lockstep.join import JoinError
 from lockstep.optim import LAMB, LARS, LRSchedule
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.replica import DataParallel, ModelMismatchError
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "DataParallel",
+    "JoinError",
     "LRSchedule",
     "ModelMismatchError",
     "ShardedSampler",

@@ -50,6 +50,9 @@ class AllReduce:
     def start(self, flat: torch.Tensor, label: str) -> Handle:
         raise NotImplementedError
 
+    def free(self, flat: torch.Tensor) -> None:
+        """A bucket from `allocate` is no longer used (the plan was rebuilt)."""
+
     def end_of_backward(self) -> None:
         """Called once all of a backward's buckets are done."""
 
@@ -187,6 +190,9 @@ class SharedMemory(Threaded):
         own = buffers[self.me]
         self._peers[own.data_ptr()] = buffers
         return own
+
+    def free(self, flat: torch.Tensor) -> None:
+        self._peers.pop(flat.data_ptr(), None)  # unmapping the peers' copies frees them
 
     def _slice(self, numel: int, local_rank: int) -> slice:
         return slice(local_rank * numel // self.size, (local_rank + 1) * numel // self.size)

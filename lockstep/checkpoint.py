@@ -200,27 +200,39 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
     tmp = Path(temporary)
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+    comm.barrier(f"checkpoint: rank 0 creating {tmp}")
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state},
              storage_writer=FileSystemWriter(tmp, sync_files=True))
     _write_json(tmp / f"rng-rank{rank}.json", rng_state())
     if rank == 0:
         _write_json(tmp / STATE, {**state, "step": step, "world_size": dist.get_world_size()})
-    dist.barrier()  # every rank's files are in place
+    comm.barrier("checkpoint: every rank's files written")
     final = step_folder(root, step)
     if rank == 0:
         _write_manifest(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)  # atomic: the checkpoint appears complete or not at all
-        _prune(root, keep)
-    dist.barrier()
+        _prune(root, keep, step)
+    comm.barrier(f"checkpoint: rank 0 publishing {final}")
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    for old in list_checkpoints(root)[keep:]:
+def _prune(root: Path, keep: int, written: int) -> None:
+    """Keep the `keep` newest checkpoints up to the one just written. Later-numbered ones
+    belong to a timeline this run branched away from (it resumed from an earlier one): they
+    are renamed aside, not deleted, so `resume="auto"` cannot pick them up by mistake."""
+    timeline = []
+    for folder in list_checkpoints(root):
+        if int(folder.name[len(_PREFIX):]) > written:
+            aside = folder.with_name(f"superseded-{folder.name}")
+            log.warning("checkpoint %s is later than the one just written (step %d) and "
+                        "belongs to an abandoned run; moved to %s", folder, written, aside)
+            os.replace(folder, aside)
+        else:
+            timeline.append(folder)
+    for old in timeline[max(1, keep):]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(f".tmp-{_PREFIX}*"):  # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
@@ -249,9 +261,14 @@ def latest_valid(root: str | Path) -> Path | None:
 
 def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
          ) -> dict[str, Any]:
-    """Load a verified checkpoint into `model` and `optimizer` (on every rank) and restore
+    """Verify a checkpoint, load it into `model` and `optimizer` (on every rank) and restore
     this rank's RNG state when the checkpoint has one for it. Returns the JSON state."""
     folder = Path(folder)
+    problem = verify(folder) if dist.get_rank() == 0 else None
+    problem = comm.broadcast_object(problem, 0, "checkpoint: verifying before loading")
+    if problem is not None:
+        raise CheckpointError(f"rank {dist.get_rank()}: checkpoint {folder} is not valid: "
+                              f"{problem}")
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
         dcp.load({"model": model_state, "optim": optim_state}, storage_reader=SafeReader(folder))

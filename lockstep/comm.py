@@ -85,8 +85,15 @@ def all_reduce(tensor: torch.Tensor, what: str, group: Group = None,
     return tensor
 
 
+def _global(rank_in_group: int, group: Group) -> int:
+    """torch's broadcast takes its source as a global rank; lockstep passes group ranks."""
+    return rank_in_group if group is None else dist.get_global_rank(group, rank_in_group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> torch.Tensor:
-    work = _run(what, dist.broadcast, tensor, src=src, group=group, async_op=True)
+    """Overwrite `tensor` with that of rank `src` (a rank within `group`)."""
+    work = _run(what, dist.broadcast, tensor, src=_global(src, group), group=group,
+                async_op=True)
     Pending(work, what).wait()
     return tensor
 
@@ -122,8 +129,9 @@ def all_gather_object(obj: Any, what: str, group: Group = None) -> list[Any]:
 
 
 def broadcast_object(obj: Any, src: int, what: str, group: Group = None) -> Any:
+    """Rank `src`'s `obj` (src a rank within `group`). Small, trusted metadata: it pickles."""
     box = [obj]
-    _run(what, dist.broadcast_object_list, box, src=src, group=group)
+    _run(what, dist.broadcast_object_list, box, src=_global(src, group), group=group)
     return box[0]
 
 

@@ -33,6 +33,9 @@ from lockstep.buckets import (
     plan_buckets,
     reverse_registration_order,
 )
+from lockstep.logs import get_logger
+
+log = get_logger(__name__)
 
 
 class UnusedParameterError(RuntimeError):
@@ -90,6 +93,7 @@ class Reducer:
 
     def _build(self, order: list[int]) -> None:
         """(Re)allocate buckets for `order`, carrying over any gradient already held."""
+        self._free_buckets()
         slots = _slots(self.params)
         specs = plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
         self.buckets = [Bucket(spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
@@ -107,13 +111,29 @@ class Reducer:
         return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
 
     def prepare_forward(self) -> None:
-        """Called before each grad-enabled forward: rebuild the plan once, in arrival order."""
+        """Called before each grad-enabled forward: clean up after a backward that raised,
+        and rebuild the plan once, in arrival order."""
+        if self._in_backward:
+            self._abandon_backward()
         if self._learned_order is None:
             return
         order = comm.broadcast_object(self._learned_order, 0, "broadcast of rank 0's "
                                       "gradient arrival order", self.group)
         self._learned_order = None
         self._build(order)
+
+    def _abandon_backward(self) -> None:
+        """A synchronised backward raised before its end-of-backward callback ran (autograd
+        skips queued callbacks on error). Finish the all-reduces it launched -- its peers
+        launched the same ones if they failed the same way -- and start clean."""
+        log.warning("rank %d: the previous backward did not finish (it raised); discarding "
+                    "its partial gradient reduction", comm.rank_of(self.group))
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+        if self._arrivals is not None:
+            self._arrivals = []
+        self._reset_for_next_backward()
 
     # ---- backward -----------------------------------------------------------------------
 
@@ -188,7 +208,7 @@ class Reducer:
 
     def _wait_all(self) -> None:
         for bucket in self.buckets:
-            assert bucket.pending is not None
+            assert bucket.pending is not None, f"{bucket.label} was never launched"
             bucket.pending.wait()
             bucket.pending = None
         self.algorithm.end_of_backward()
@@ -240,12 +260,23 @@ class Reducer:
         finally:
             self._reset_for_next_backward()
 
-    def close(self) -> None:
-        """Detach from the parameters and stop the algorithm's thread."""
+    def has_unsynced_gradients(self) -> bool:
+        """Whether no_sync micro-steps accumulated gradients that no synced backward has
+        reduced yet."""
+        return any(self._used)
+
+    def _free_buckets(self) -> None:
+        for bucket in self.buckets:
+            self.algorithm.free(bucket.flat)
+        self.buckets = []
+
+    def detach(self) -> None:
+        """Stop reducing: remove the hooks. Gradients keep their current values (the
+        bucket memory stays alive as long as a `.grad` view of it does)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        self.algorithm.close()
+        self._free_buckets()
 
 
 def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:

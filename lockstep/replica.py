@@ -14,7 +14,7 @@ the module. Backward does the rest (see reducer.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -108,10 +108,34 @@ class DataParallel(nn.Module):
         verify_replicas_match(module, group)
         comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                "broadcast of rank 0's parameters and buffers", group)
-        self.reducer = Reducer(trainable(module), int(bucket_mb * MB), int(first_bucket_mb * MB),
-                               find_unused, group,
-                               make_algorithm(algorithm, group, self.world.local_world_size))
+        self.algorithm = make_algorithm(algorithm, group, self.world.local_world_size)
+        self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
+        self._find_unused = find_unused
+        self.reducer = self._new_reducer()
         self._join: Any = None  # the active Join, when inside `join()`
+
+    def _new_reducer(self) -> Reducer:
+        self._trainable_mask = _requires_grad_mask(self.module)
+        return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
+                       self.group, self.algorithm)
+
+    def _follow_requires_grad(self) -> None:
+        """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
+        after warmup, say) need new hooks and buckets. Every rank must make the same change
+        at the same step; the rebuild checks that they did."""
+        if _requires_grad_mask(self.module) == self._trainable_mask:
+            return
+        masks = comm.all_gather_object(_requires_grad_mask(self.module), "agreeing on which "
+                                       "parameters are trainable after requires_grad changed",
+                                       self.group)
+        if any(mask != masks[0] for mask in masks):
+            names = [n for n, p in self.module.named_parameters()]
+            first = next(i for i in range(len(names)) if len({m[i] for m in masks}) > 1)
+            raise ModelMismatchError(
+                f"rank {comm.rank_of(self.group)}: requires_grad of '{names[first]}' changed "
+                "on some ranks but not others; freeze and unfreeze on every rank alike")
+        self.reducer.detach()
+        self.reducer = self._new_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
@@ -123,6 +147,7 @@ class DataParallel(nn.Module):
         rank's shadow step (join.py) issues the same ones."""
         if self._join is not None:
             self._join.agree_on_active(active=True)
+        self._follow_requires_grad()
         self.reducer.prepare_forward()
         self.sync_buffers()
         reporter.advance()
@@ -145,14 +170,20 @@ class DataParallel(nn.Module):
             self.reducer.sync_enabled = previous
 
     @contextmanager
-    def join(self, sync_final_model: bool = True) -> Iterator[None]:
+    def join(self, optimizers: Sequence[torch.optim.Optimizer] = (),
+             sync_final_model: bool = True) -> Iterator[None]:
         """Train on uneven inputs: a rank that runs out of batches early keeps matching the
         others' collectives (contributing nothing) until every rank is done. Gradients are
-        averaged over the ranks that still had data. Each grad-enabled forward inside must be
-        followed by exactly one backward."""
+        averaged over the ranks that still had data.
+
+        Pass the optimizers: ranks that stopped early skipped steps, so at the end their
+        state (momentum, Adam moments) is replaced by that of a rank that trained to the
+        end, along with the parameters and buffers -- otherwise replicas drift apart on the
+        next step. Each grad-enabled forward inside must be followed by one backward.
+        """
         from lockstep.join import Join  # join builds on this class
 
-        self._join = Join(self, sync_final_model)
+        self._join = Join(self, list(optimizers), sync_final_model)
         try:
             yield
             self._join.finish()
@@ -161,3 +192,13 @@ class DataParallel(nn.Module):
 
     def bucket_sizes_mb(self) -> list[float]:
         return self.reducer.bucket_sizes_mb()
+
+    def close(self) -> None:
+        """Stop reducing gradients and release the algorithm's thread and shared memory.
+        The module keeps working on its own afterwards."""
+        self.reducer.detach()
+        self.algorithm.close()
+
+
+def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:
+    return tuple(p.requires_grad for p in module.parameters())

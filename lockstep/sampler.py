@@ -91,7 +91,10 @@ class ShardedSampler(Sampler[int]):
         self._passed_epoch = None
 
     def __len__(self) -> int:
-        return per_rank_count(self.dataset_len, self._start, self.world_size, self.drop_last)
+        """Samples this rank draws in its next pass (which may be a new, auto-advanced
+        epoch starting from the beginning)."""
+        start = 0 if self._passed_epoch == self.epoch else self._start
+        return per_rank_count(self.dataset_len, start, self.world_size, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
         if self._passed_epoch == self.epoch:  # a new pass with no set_epoch in between
@@ -116,7 +119,8 @@ class ShardedSampler(Sampler[int]):
         if drawn is not None:
             self._drawn = drawn
         epoch, start = self.epoch, self.position()
-        if start >= self.dataset_len or (self.drop_last and len(self) == self._drawn
+        in_pass = per_rank_count(self.dataset_len, self._start, self.world_size, self.drop_last)
+        if start >= self.dataset_len or (self.drop_last and in_pass == self._drawn
                                          and self._passed_epoch == self.epoch):
             epoch, start = epoch + 1, 0  # the pass is complete: resume at the next epoch
         return {"epoch": epoch, "position": min(start, self.dataset_len), "seed": self.seed,

@@ -28,7 +28,9 @@ def _broadcastable(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def global_moments(x: torch.Tensor, group: comm.Group) -> tuple[torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:
-    """Per-channel mean and biased variance over every rank's batch, and the total count."""
+    """Per-channel mean and biased variance over every rank's batch, and the total count,
+    in float32 whatever the input's precision (counts and sums overflow fp16)."""
+    x = x.float()
     dims = _channel_dims(x)
     count = torch.full((x.shape[1],), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
     mean = x.mean(dims)
@@ -49,33 +51,39 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def forward(ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None,
                 bias: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor, eps: float,
                 group: comm.Group) -> torch.Tensor:
+        out_dtype = x.dtype
+        x = x.float()  # normalise in float32, as torch's BatchNorm does for half inputs
         invstd = torch.rsqrt(var + eps)
         xhat = (x - _broadcastable(mean, x)) * _broadcastable(invstd, x)
         ctx.save_for_backward(xhat, invstd, weight)  # type: ignore[arg-type]  # None is fine
         ctx.group = group  # type: ignore[attr-defined]
         y = xhat
         if weight is not None:
-            y = y * _broadcastable(weight, x)
+            y = y * _broadcastable(weight.float(), x)
         if bias is not None:
-            y = y + _broadcastable(bias, x)
-        return y
+            y = y + _broadcastable(bias.float(), x)
+        ctx.dtypes = (out_dtype, None if weight is None else weight.dtype)  # type: ignore[attr-defined]
+        return y.to(out_dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         xhat, invstd, weight = ctx.saved_tensors
+        x_dtype, weight_dtype = ctx.dtypes
+        dy = dy.float()
         dims = _channel_dims(dy)
         sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
-        grad_weight = sum_dy_xhat if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy if ctx.needs_input_grad[2] else None
+        grad_weight = sum_dy_xhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight_dtype) if ctx.needs_input_grad[2] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
             sums = torch.stack([sum_dy, sum_dy_xhat, torch.full_like(sum_dy,
                                                                     dy.numel() / dy.shape[1])])
             comm.all_reduce(sums, "SyncBatchNorm backward sums", ctx.group)
             mean_dy, mean_dy_xhat = sums[0] / sums[2], sums[1] / sums[2]
-            scale = invstd if weight is None else invstd * weight
-            grad_x = (dy - _broadcastable(mean_dy, dy)
-                      - xhat * _broadcastable(mean_dy_xhat, dy)) * _broadcastable(scale, dy)
+            scale = invstd if weight is None else invstd * weight.float()
+            grad_x = ((dy - _broadcastable(mean_dy, dy)
+                       - xhat * _broadcastable(mean_dy_xhat, dy)) * _broadcastable(scale, dy)
+                      ).to(x_dtype)
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
@@ -92,8 +100,9 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
-        use_batch_stats = self.training or not self.track_running_stats
-        if not use_batch_stats or comm.size_of(self.group) == 1:
+        # Only training synchronises (as in torch): evaluation, even with batch statistics
+        # (track_running_stats=False), must work on a rank that evaluates alone.
+        if not self.training or comm.size_of(self.group) == 1:
             return super().forward(x)
         with torch.no_grad():  # the statistics' gradient is in _SyncBatchNormFn.backward
             mean, var, count = global_moments(x.detach(), self.group)
@@ -111,8 +120,8 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
                     else self.momentum)
         unbiased = var * count / (count - 1).clamp(min=1)
         assert self.running_mean is not None and self.running_var is not None
-        self.running_mean.lerp_(mean, momentum)
-        self.running_var.lerp_(unbiased, momentum)
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
 
 
 def convert_sync_batchnorm(module: nn.Module, group: comm.Group = None) -> nn.Module:

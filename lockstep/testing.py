@@ -22,6 +22,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 _PRELOAD = ["torch", "torch.distributed", "lockstep"]
@@ -29,6 +30,10 @@ _PRELOAD = ["torch", "torch.distributed", "lockstep"]
 
 class WorldError(RuntimeError):
     """A function failed or hung on some rank of a test world."""
+
+
+class _Skip(Exception):
+    pass
 
 
 def _context() -> Any:
@@ -51,7 +56,6 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
     import lockstep
 
     torch.set_num_threads(1)
-    from datetime import timedelta
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
@@ -60,11 +64,23 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
         task = tasks.get()
         if task is None:
             break
-        fn, args, kwargs = task
+        fn, args, kwargs, probe = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            value = fn(*args, **kwargs)
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
+            continue
+        try:  # a function that caught a collective failure may have left the group broken
+            if not probe:
+                raise _Skip
+            dist.monitored_barrier(timeout=timedelta(seconds=10))
+        except _Skip:
+            pass
+        except RuntimeError as error:
+            results.put((rank, False, f"{_name(fn)} returned, but left the process group "
+                                      f"unusable: {error}"))
+            continue
+        results.put((rank, True, value))
     dist.destroy_process_group()
 
 
@@ -94,14 +110,21 @@ class World:
             proc.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, deadline_s: float = 120.0,
-            **kwargs: Any) -> list[Any]:
-        """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
+            breaks_group: bool = False, **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; return the results in rank order.
+
+        Afterwards every rank checks the group still works (a monitored barrier), so a
+        function that leaves it broken is blamed, not the next one. A function that breaks
+        it on purpose (to test an error) says `breaks_group=True`: the world is then retired.
+        """
         if not self._procs or not all(p.is_alive() for p in self._procs):
             self.close()
             self._start()
         for tasks in self._tasks:
-            tasks.put((fn, args, kwargs))
+            tasks.put((fn, args, kwargs, not breaks_group))
         results, failures = self._collect(fn, deadline_s)
+        if breaks_group:
+            self.close()
         if failures:
             self.close()
             detail = "\n".join(f"--- rank {rank} ---\n{tb}"
@@ -151,10 +174,3 @@ class World:
 
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, deadline_s: float = 120.0,
-              **kwargs: Any) -> list[Any]:
-    """One-shot: start a world, run `fn` on every rank, tear the world down."""
-    with World(world_size) as world:
-        return world.run(fn, *args, deadline_s=deadline_s, **kwargs)

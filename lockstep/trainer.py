@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint, comm
-from lockstep.optim import LRSchedule, linear_scaling, set_lr
+from lockstep.optim import LRSchedule, goyal_schedule, set_lr
 from lockstep.replica import DataParallel
 from lockstep.runlog import RunLog, plot_run
 from lockstep.sampler import ShardedSampler
@@ -187,10 +187,10 @@ class Trainer:
         c = self.config
         if c.lr is None:
             return None
-        peak = linear_scaling(c.lr, c.global_batch_size, c.base_batch_size) \
-            if c.base_batch_size else c.lr
-        start = c.lr if c.base_batch_size else 0.0
-        return LRSchedule(peak, c.warmup_steps, start, self.total_steps, c.decay)
+        if c.base_batch_size:
+            return goyal_schedule(c.lr, c.global_batch_size, c.base_batch_size,
+                                  c.warmup_steps, self.total_steps, c.decay)
+        return LRSchedule(c.lr, c.warmup_steps, 0.0, self.total_steps, c.decay)
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -357,18 +357,11 @@ class Trainer:
     def _start(self) -> None:
         """Seed a fresh run, or restore one from its checkpoint."""
         torch.manual_seed(self.config.seed * 1000 + self.world.rank)
-        folder = None
-        if self.config.resume == "auto":
-            folder = checkpoint.latest_valid(self.run_dir / "checkpoints")
-        elif self.config.resume != "never":
-            folder = Path(self.config.resume)
+        folder = self._checkpoint_to_resume()
         if folder is None:
             return
         saved = checkpoint.load(folder, self.model.module, self.optimizer)
-        if saved["global_batch_size"] != self.plan.global_batch:
-            raise ValueError(f"rank {self.world.rank}: checkpoint {folder} was trained with "
-                             f"global batch {saved['global_batch_size']}, this config has "
-                             f"{self.plan.global_batch}; keep it to resume the same run")
+        self._check_resumable(folder, saved)
         self.state = TrainState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                                 history=saved["history"])
         if self.scheduler is not None and saved["scheduler"] is not None:
@@ -377,3 +370,29 @@ class Trainer:
             print(f"resumed from {folder} at step {self.state.global_step} (epoch "
                   f"{self.state.epoch}, sample {saved['sampler']['position']} of it), "
                   f"written by {saved['world_size']} rank(s)", flush=True)
+
+    def _checkpoint_to_resume(self) -> Path | None:
+        root = self.run_dir / "checkpoints"
+        if self.config.resume == "auto":
+            return checkpoint.latest_valid(root)
+        if self.config.resume != "never":
+            return Path(self.config.resume)
+        if checkpoint.list_checkpoints(root):
+            raise ValueError(f"rank {self.world.rank}: {root} holds checkpoints of an earlier "
+                             "run and resume='never' would mix them with this one; resume it "
+                             "(resume='auto'), or use another run_dir, or remove them")
+        return None
+
+    def _check_resumable(self, folder: Path, saved: dict[str, Any]) -> None:
+        """The checkpoint must describe this run: same global batch, same data, same order."""
+        here = {**self.sampler.state_dict(), "global_batch_size": self.plan.global_batch}
+        then = {**saved["sampler"], "global_batch_size": saved["global_batch_size"]}
+        for key in ("global_batch_size", "dataset_len", "seed", "shuffle"):
+            if here[key] != then[key]:
+                raise ValueError(f"rank {self.world.rank}: checkpoint {folder} was written with "
+                                 f"{key}={then[key]!r}, this run has {here[key]!r}; resuming "
+                                 "would repeat or skip samples. Keep them equal to resume.")
+        if saved["step_in_epoch"] >= self.steps_per_epoch:
+            raise ValueError(f"rank {self.world.rank}: checkpoint {folder} is at step "
+                             f"{saved['step_in_epoch']} of an epoch that has only "
+                             f"{self.steps_per_epoch} steps here")

@@ -54,7 +54,9 @@ class World:
         return max(1, self.world_size // max(1, self.local_world_size))
 
     def barrier(self) -> None:
-        dist.barrier()
+        from lockstep import comm  # world sits below comm in the layering
+
+        comm.barrier("World.barrier()")
 
     def shutdown(self) -> None:
         """Destroy the process group; `init()` may be called again afterwards."""

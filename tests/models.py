@@ -110,10 +110,12 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p.float() - q.float()).abs().max().item() for p, q in pairs)
 
 
-def digest(model: nn.Module) -> str:
+def digest(model: nn.Module, parameters_only: bool = False) -> str:
+    """A hash of the exact bytes of the weights (and buffers, unless parameters_only)."""
     import hashlib
 
     h = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    tensors = model.parameters() if parameters_only else model.state_dict().values()
+    for tensor in tensors:
         h.update(tensor.detach().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

@@ -58,7 +58,7 @@ def check_training() -> dict[str, tuple[float, str]]:
                 loss_of("transformer", model, x[:4], y[:4]).backward()
             loss_of("transformer", model, x[4:], y[4:]).backward()
             opt.step()
-        model.reducer.close()
+        model.close()
         weights = [t.detach().clone() for t in net.state_dict().values()]
         reference = reference or weights
         gap = max((a - b).abs().max().item() for a, b in zip(weights, reference))

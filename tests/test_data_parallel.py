@@ -104,16 +104,13 @@ def check_gradients_are_bucket_views() -> list[bool]:
     net = make_model("mlp")
     model = lockstep.DataParallel(net, bucket_mb=0.004)
     x, y = batch("mlp", 0, 8)
-    for _ in range(2):  # once from None (zero_grad set_to_none), once accumulating in place
-        model.zero_grad()
-        loss_of("mlp", model, x, y).backward()
-    inside = []
-    for bucket in model.reducer.buckets:
-        start = bucket.flat.data_ptr()
-        end = start + bucket.flat.numel() * bucket.flat.element_size()
-        inside += [p.grad is not None and start <= p.grad.data_ptr() < end
-                   for p in bucket.params]
-    return inside
+    model.zero_grad(set_to_none=True)   # first: autograd's fresh tensor is moved in
+    loss_of("mlp", model, x, y).backward()
+    model.zero_grad(set_to_none=False)  # then: autograd accumulates into the view itself
+    loss_of("mlp", model, x, y).backward()
+    return [p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+            and p.grad.shape == view.shape
+            for bucket in model.reducer.buckets for p, view in zip(bucket.params, bucket.views)]
 
 
 def test_gradients_live_in_the_bucket_buffers(world2: World) -> None:
@@ -323,8 +320,132 @@ def check_uneven_without_join() -> str:
 
 def test_uneven_inputs_without_join_name_the_rank_behind() -> None:
     with World(2, collective_timeout_s=3) as world:
-        waiting, finished = world.run(check_uneven_without_join)
+        waiting, finished = world.run(check_uneven_without_join, breaks_group=True)
     assert finished == "finished"
     assert float(waiting.split("s ")[0]) < 15
     assert "rank 0:" in waiting and "gradient bucket" in waiting
     assert "Rank(s) [1] are behind" in waiting
+
+
+def check_join_then_keep_training(kind: str) -> tuple[str, str]:
+    """Momentum makes optimizer state part of the replica: after join() it must agree too,
+    or the first even step afterwards splits the replicas. With BatchNorm, buffers come
+    from the lowest rank still training, and rank 0 runs out first here."""
+    world = lockstep.init()
+    net = make_model(kind)
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    opt = make_optimizer("sgd", model.parameters())
+    with model.join(optimizers=[opt]):
+        for step in range(1 if world.rank == 0 else 3 + world.rank):
+            opt.zero_grad()
+            loss_of(kind, model, *batch(kind, step * 7 + world.rank, PER_RANK)).backward()
+            opt.step()
+    after_join = digest(net)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(kind, model, *batch(kind, 10 + step + world.rank, PER_RANK)).backward()
+        opt.step()
+    # Parameters only: each forward updates BatchNorm's buffers from the rank's own batch
+    # (they are re-broadcast before the next forward), as in DDP.
+    return after_join, digest(net, parameters_only=True)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+def test_replicas_stay_identical_after_join(world: World, kind: str) -> None:
+    results = world.run(check_join_then_keep_training, kind)
+    assert len({r[0] for r in results}) == 1 and len({r[1] for r in results}) == 1
+
+
+def check_join_mid_accumulation() -> str:
+    world = lockstep.init()
+    model = lockstep.DataParallel(make_model("mlp"))
+    try:
+        with model.join():
+            for micro in range(4 if world.rank == 0 else 3):  # accumulation of 2
+                with nullcontext() if micro % 2 else model.no_sync():
+                    loss_of("mlp", model, *batch("mlp", micro, PER_RANK)).backward()
+    except lockstep.JoinError as error:
+        return str(error)
+    return "no error"
+
+
+def test_running_out_mid_accumulation_is_an_error_not_a_silent_loss(world2: World) -> None:
+    for rank, message in enumerate(world2.run(check_join_mid_accumulation)):
+        assert f"rank {rank}: rank(s) [1] ran out of data in the middle of a gradient" in message
+
+
+def check_requires_grad_changes_after_wrap() -> tuple[bool, bool, float]:
+    world = lockstep.init()
+    net = make_model("mlp")
+    net[0].weight.requires_grad_(False)  # a frozen first layer...
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    x, y = batch("mlp", world.rank, PER_RANK)  # different data per rank
+    loss_of("mlp", model, x, y).backward()
+    frozen_untouched = net[0].weight.grad is None
+    net[0].weight.requires_grad_(True)  # ...unfrozen later
+    net[2].weight.requires_grad_(False)  # ...and another frozen
+    model.zero_grad()
+    loss_of("mlp", model, x, y).backward()
+    grad = net[0].weight.grad.clone()
+    everyone = torch.zeros(world.world_size, *grad.shape)
+    lockstep.comm.all_gather_into(everyone.view(-1, grad.shape[1]), grad, "test: gather grads")
+    spread = (everyone - everyone[0]).abs().max().item()  # 0 if averaged across ranks
+    return frozen_untouched, net[2].weight.grad is None, spread
+
+
+def test_freezing_and_unfreezing_after_wrapping(world: World) -> None:
+    for frozen_untouched, refrozen_none, spread in world.run(
+            check_requires_grad_changes_after_wrap):
+        assert frozen_untouched and refrozen_none and spread == 0.0
+
+
+class Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        raise FloatingPointError("a NaN guard fired in backward")
+
+
+def check_recovery_after_backward_raises() -> tuple[str, float]:
+    world = lockstep.init()
+    net, reference = make_model("mlp"), make_model("mlp")
+    model = lockstep.DataParallel(net, bucket_mb=0.004)
+    x, y = batch("mlp", 0, PER_RANK * world.world_size)
+    mine = slice(world.rank * PER_RANK, (world.rank + 1) * PER_RANK)
+    message = ""
+    try:  # the exception fires mid-backward: the last layer's buckets were launched
+        logits = model(x[mine])
+        torch.nn.functional.cross_entropy(net[4](Boom.apply(net[3](net[2](net[1](
+            net[0](x[mine])))))) + 0 * logits.sum(), y[mine]).backward()
+    except FloatingPointError as error:
+        message = str(error)
+    model.zero_grad()
+    loss_of("mlp", model, x[mine], y[mine]).backward()
+    loss_of("mlp", reference, x, y).backward()
+    gap = max((p.grad - q.grad).abs().max().item()
+              for p, q in zip(net.parameters(), reference.parameters()))
+    return message, gap
+
+
+def test_a_backward_that_raised_does_not_break_the_next(world2: World) -> None:
+    for message, gap in world2.run(check_recovery_after_backward_raises):
+        assert "NaN guard" in message and gap < 1e-6
+
+
+def check_group_without_rank0() -> tuple[str, str]:
+    world = lockstep.init()
+    groups = [lockstep.comm.new_group([0]), lockstep.comm.new_group([1])]
+    mine = groups[world.rank]
+    torch.manual_seed(world.rank)  # each group's own model
+    net = make_model("mlp", seed=world.rank)
+    model = lockstep.DataParallel(net, group=mine)
+    loss_of("mlp", model, *batch("mlp", 0, PER_RANK)).backward()
+    return digest(net), digest(make_model("mlp", seed=world.rank))
+
+
+def test_a_group_that_does_not_contain_rank0(world2: World) -> None:
+    for wrapped, original in world2.run(check_group_without_rank0):
+        assert wrapped == original  # the group's own rank 0 was the source
