@@ -131,7 +131,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--batch", type=int, default=64, help="per-rank batch")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args()

@@ -24,7 +24,7 @@ import torch
 from torch.autograd import Variable
 
 from lockstep import comm
-from lockstep.algorithms import AllReduce, Handle, Native
+from lockstep.algorithms import AllReduce, Handle, Native, scaled_copy
 from lockstep.buckets import (
     MB,
     BucketSpec,
@@ -158,7 +158,7 @@ class Reducer:
                 "gradient twice in one backward (reentrant checkpointing, or a second "
                 "backward through the same graph?); lockstep reduces each gradient once")
         self._ready[index] = 1
-        _adopt(param, view, 1.0 / self.divisor)
+        _adopt(param, view, 1.0 / self.divisor, self.algorithm, bucket.flat)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
@@ -279,13 +279,16 @@ class Reducer:
         self._free_buckets()
 
 
-def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:
-    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory.
+def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
+           algorithm: AllReduce | None = None, flat: torch.Tensor | None = None) -> None:
+    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory, and
+    point `.grad` at the slot.
 
     Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
     pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
-    overflow in low precision). If autograd produced a fresh tensor (after
-    zero_grad(set_to_none=True)), the copy into the bucket and the scaling are one kernel.
+    overflow in low precision). A fresh tensor from autograd (after
+    zero_grad(set_to_none=True)) is handed to the algorithm, which may move only what its
+    peers will read (see HostSlices.absorb); one already in the slot is scaled in place.
     """
     grad = param.grad
     assert grad is not None
@@ -293,10 +296,10 @@ def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float) -> None:
         if scale != 1.0:
             view.mul_(scale)
         return
-    if scale != 1.0:
-        torch.mul(grad, scale, out=view)
+    if algorithm is None or flat is None:
+        scaled_copy(grad, view, scale)
     else:
-        view.copy_(grad)
+        algorithm.absorb(grad, view, scale, flat)
     param.grad = view
 
 

@@ -9,10 +9,13 @@ path, `kill -9` included, and nothing is ever left in /dev/shm.
 from __future__ import annotations
 
 import os
+import platform
+import time
 
 import torch
 
 from lockstep import comm
+from lockstep.diagnostics import explain_stall
 
 
 def shm_available() -> str | None:
@@ -51,3 +54,43 @@ class HostMemory:
         finally:
             os.close(fd)  # the mappings keep the memory; no name, nothing to clean up
         return views
+
+
+class HostBarrier:
+    """A barrier among the ranks of one host, through flags in shared memory.
+
+    Each rank bumps its own counter and waits until every peer's counter has caught up:
+    a few microseconds when ranks arrive together, against ~0.2 ms for a barrier over
+    loopback sockets. Spinning gives way (sched_yield, then short sleeps) while it waits,
+    and gives up after `timeout_s` naming the ranks that never arrived. The flag store
+    follows the data stores in program order, which x86's memory model keeps in order for
+    the reader; elsewhere this falls back to the group's socket barrier.
+    """
+
+    def __init__(self, memory: HostMemory, timeout_s: float) -> None:
+        self.memory, self.timeout_s = memory, timeout_s
+        self.spin = platform.machine() in ("x86_64", "AMD64", "i686")
+        flags = memory.allocate(1, torch.int64) if self.spin else []
+        self.flags = [flag.numpy() for flag in flags]  # numpy: cheap scalar reads
+        self.generation = 0
+
+    def wait(self, what: str) -> None:
+        if not self.spin:
+            comm.barrier(what, self.memory.group)
+            return
+        self.generation += 1
+        mine = self.memory.local_rank
+        self.flags[mine][0] = self.generation
+        started, spins = time.monotonic(), 0
+        while any(flag[0] < self.generation for flag in self.flags):
+            spins += 1
+            if spins < 2000:
+                os.sched_yield()
+                continue
+            waited = time.monotonic() - started
+            if waited > self.timeout_s:
+                late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
+                raise comm.CollectiveError(
+                    f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
+                    f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
+            time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
