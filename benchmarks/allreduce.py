@@ -67,16 +67,19 @@ def worker(setting: str, out: Path) -> None:
     spec = SETTINGS[setting]
     hosts = world.num_hosts
     # The slowest link a flat algorithm crosses: to another host if there is one.
+    slow = setting == "100mbit"
     link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
-                           large_bytes=(1 * MB if "mbit" in setting else 8 * MB))
+                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 5)
     local = costmodel.probe(0, 1) if world.local_world_size > 1 else link
-    barrier = costmodel.barrier_cost()
+    # The shared-memory stages' fixed cost (their waits), measured on a tiny message.
+    fixed = time_all_reduce("shm" if hosts == 1 else "hierarchical", 4 * KB, world) \
+        if hosts == 1 or world.local_world_size > 1 else 0.0
     rows = []
     for algorithm in spec["algorithms"]:
         for nbytes in [s for s in SIZES if s <= spec["max"]]:
             seconds = time_all_reduce(algorithm, nbytes, world)
             predicted = costmodel.predict(algorithm, nbytes, world.world_size,
-                                          world.local_world_size, link, local, barrier)
+                                          world.local_world_size, link, local, fixed)
             rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,
                          "predicted": predicted})
             if world.is_main:

@@ -17,8 +17,10 @@ The path one step takes:
 
 from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
+from lockstep.compress import PowerSGD, TopK
 from lockstep.join import JoinError
 from lockstep.optim import LAMB, LARS, LRSchedule
+from lockstep.precision import LossScaler
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.replica import DataParallel, ModelMismatchError
 from lockstep.sampler import ShardedSampler
@@ -36,9 +38,12 @@ __all__ = [
     "DataParallel",
     "JoinError",
     "LRSchedule",
+    "LossScaler",
     "ModelMismatchError",
+    "PowerSGD",
     "ShardedSampler",
     "SyncBatchNorm",
+    "TopK",
     "TrainConfig",
     "Trainer",
     "UnusedParameterError",

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -94,40 +95,55 @@ class _FutureHandle:
         self.future.result()
 
 
-class Threaded(AllReduce):
-    """Runs `reduce` for each bucket on one thread, in the order buckets were started."""
+class Worker:
+    """One thread that runs submitted jobs in submission order: buckets are submitted in
+    launch order, so the in-order invariant holds on the wire. Once a job fails, later ones
+    fail with the same error (this rank is out of step with its peers)."""
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[torch.Tensor, str, Future[None]] | None] = \
-            queue.SimpleQueue()
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...],
+                                             Future[None]] | None] = queue.SimpleQueue()
         self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name=f"lockstep-{self.name}",
+        self._thread = threading.Thread(target=self._loop, name=f"lockstep-{name}",
                                         daemon=True)
         self._thread.start()
 
-    def start(self, flat: torch.Tensor, label: str) -> Handle:
+    def submit(self, fn: Callable[..., None], *args: Any) -> Handle:
         future: Future[None] = Future()
-        self._queue.put((flat, label, future))
+        self._queue.put((fn, args, future))
         return _FutureHandle(future)
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            flat, label, future = item
-            if self._failure is not None:  # once out of step with peers, stay failed
+            fn, args, future = item
+            if self._failure is not None:
                 future.set_exception(self._failure)
                 continue
             try:
-                self.reduce(flat, label)
+                fn(*args)
                 future.set_result(None)
             except BaseException as error:
                 self._failure = error
                 future.set_exception(error)
 
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+class Threaded(AllReduce):
+    """Runs `reduce` for each bucket on a Worker thread, in the order buckets started."""
+
+    def __init__(self) -> None:
+        self._worker = Worker(self.name)
+
+    def start(self, flat: torch.Tensor, label: str) -> Handle:
+        return self._worker.submit(self.reduce, flat, label)
+
     def reduce(self, flat: torch.Tensor, label: str) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._worker.close()
 
 
 class Ring(Threaded):
@@ -140,25 +156,57 @@ class Ring(Threaded):
         super().__init__()
 
     def reduce(self, flat: torch.Tensor, label: str) -> None:
-        ring_all_reduce(flat, self.ranks, self.me, self.group, label)
+        ring_all_reduce(flat, self.ranks, self.me, self.group, label, self._scratch(flat))
+
+    def _scratch(self, flat: torch.Tensor) -> torch.Tensor:
+        """A receive buffer kept between buckets: a fresh one each time would pay a page
+        fault per 4 KB on first touch (thousands for a large bucket)."""
+        need = -(-len(flat) // len(self.ranks))
+        held = getattr(self, "_held", None)
+        if held is None or held.dtype != flat.dtype or held.device != flat.device or \
+                len(held) < need:
+            self._held = torch.empty(need, dtype=flat.dtype, device=flat.device)
+        return self._held
+
+
+_PIPELINE_BLOCK = 1 << 20  # elements: a ring step moves its chunk in blocks of ~4 MB
 
 
 def ring_all_reduce(flat: torch.Tensor, ranks: list[int], me: int, group: comm.Group,
-                    label: str) -> None:
+                    label: str, scratch: torch.Tensor | None = None) -> None:
     n = len(ranks)
     if n == 1:
         return
     chunks = list(torch.tensor_split(flat, n))
     right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    scratch = torch.empty(max(len(c) for c in chunks), dtype=flat.dtype, device=flat.device)
+    if scratch is None:
+        scratch = torch.empty(max(len(c) for c in chunks), dtype=flat.dtype,
+                              device=flat.device)
     for step in range(n - 1):  # reduce-scatter: afterwards chunk me+1 is complete here
         send, arrive = chunks[(me - step) % n], chunks[(me - step - 1) % n]
-        incoming = scratch[: len(arrive)]
-        comm.exchange(send, right, incoming, left, f"ring reduce-scatter of {label}", group)
-        arrive.add_(incoming)
+        _pipelined_step(send, right, arrive, left, scratch[: len(arrive)],
+                        f"ring reduce-scatter of {label}", group)
     for step in range(n - 1):  # all-gather: pass the complete chunks around
         send, arrive = chunks[(me + 1 - step) % n], chunks[(me - step) % n]
-        comm.exchange(send, right, arrive, left, f"ring all-gather of {label}", group)
+        _pipelined_step(send, right, arrive, left, None, f"ring all-gather of {label}", group)
+
+
+def _pipelined_step(send: torch.Tensor, dst: int, arrive: torch.Tensor, src: int,
+                    scratch: torch.Tensor | None, what: str, group: comm.Group) -> None:
+    """Send `send` to `dst` while receiving into `arrive` from `src` -- added to it through
+    `scratch` when given, else received in place -- in blocks, all posted at once, so each
+    block's addition overlaps the transfer of the blocks behind it."""
+    blocks = max(1, -(-len(arrive) // _PIPELINE_BLOCK))
+    sends = [comm.isend(b, dst, what, group) for b in torch.tensor_split(send, blocks)]
+    targets = torch.tensor_split(arrive, blocks)
+    landing = torch.tensor_split(scratch, blocks) if scratch is not None else targets
+    receives = [comm.irecv(b, src, what, group) for b in landing]
+    for received, block, target in zip(receives, landing, targets, strict=True):
+        received.wait()
+        if scratch is not None:
+            target.add_(block)
+    for sent in sends:
+        sent.wait()
 
 
 class Tree(Threaded):

@@ -116,7 +116,8 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, what: str,
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, what: str,
                     group: Group = None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 into `output`, in rank order."""
-    work = _run(what, dist.all_gather_into_tensor, output, tensor, group=group, async_op=True)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # newer name
+    work = _run(what, gather, output, tensor, group=group, async_op=True)
     Pending(work, what).wait()
     return output
 
@@ -153,6 +154,14 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: s
     ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
     for work in _run(what, dist.batch_isend_irecv, ops):
         Pending(work, what).wait()
+
+
+def isend(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> Pending:
+    return Pending(_run(what, dist.isend, tensor, dst, group=group), what)
+
+
+def irecv(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> Pending:
+    return Pending(_run(what, dist.irecv, tensor, src, group=group), what)
 
 
 def send(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> None:

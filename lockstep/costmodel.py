@@ -55,16 +55,22 @@ def ring_time(link: LinkCost, world_size: int, nbytes: float) -> float:
         (n - 1) / n * nbytes * link.gamma
 
 
-def tree_time(link: LinkCost, world_size: int, nbytes: float) -> float:
+def tree_time(link: LinkCost, world_size: int, nbytes: float,
+              local: LinkCost | None = None, local_world_size: int | None = None) -> float:
     """Critical path of algorithms.Tree: node i's children are 2i+1 and 2i+2; a parent
-    receives and sums its children in order, then sends up; then the sum comes down."""
-    n, message = world_size, link.message(nbytes)
+    receives and sums its children in order, then sends up; then the sum comes down. An
+    edge between ranks on one host costs `local`, between hosts `link`."""
+    n, local, per_host = world_size, local or link, local_world_size or world_size
+
+    def message(a: int, b: int) -> float:
+        return (local if a // per_host == b // per_host else link).message(nbytes)
+
     reduced = [0.0] * n  # when node i holds its subtree's sum
     for node in reversed(range(n)):
         ready = 0.0
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
-                ready = max(ready, reduced[child]) + message + nbytes * link.gamma
+                ready = max(ready, reduced[child]) + message(node, child) + nbytes * link.gamma
         reduced[node] = ready
     has_sum = [0.0] * n
     has_sum[0] = reduced[0]
@@ -72,30 +78,32 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float) -> float:
         sent = has_sum[node]
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
-                sent += message
+                sent += message(node, child)
                 has_sum[child] = sent
     return max(has_sum)
 
 
-def shm_time(link: LinkCost, local_world_size: int, nbytes: float, barrier: float) -> float:
-    """Within a host: sum my 1/L slice from L buffers, copy the other (L-1)/L back."""
+def shm_time(link: LinkCost, local_world_size: int, nbytes: float, fixed: float) -> float:
+    """Within a host: sum my 1/L slice from L buffers, write it into the L-1 others; plus
+    the fixed cost of the waits (`fixed`, measured on a tiny message)."""
     slice_bytes = nbytes / local_world_size
     summing = (local_world_size - 1) * slice_bytes * link.gamma
-    gathering = (local_world_size - 1) * slice_bytes * link.gamma  # a copy ~ one add pass
-    return 3 * barrier + summing + gathering
+    publishing = (local_world_size - 1) * slice_bytes * link.gamma  # a copy ~ one add pass
+    return fixed + summing + publishing
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
-            link: LinkCost, local: LinkCost | None = None, barrier: float = 1e-4) -> float:
+            link: LinkCost, local: LinkCost | None = None, fixed: float = 1e-4) -> float:
     """Seconds for one all-reduce of `nbytes`. `link` is the slowest link a flat algorithm
-    crosses; `local` the cost inside a host (for shm stages; defaults to `link`)."""
+    crosses; `local` the cost inside a host (for shm stages; defaults to `link`); `fixed`
+    the shm stages' fixed cost."""
     local = local or link
     hosts = world_size // local_world_size
     if algorithm in ("native", "ring"):
         return ring_time(link, world_size, nbytes)
     if algorithm == "tree":
-        return tree_time(link, world_size, nbytes)
-    intra = shm_time(local, local_world_size, nbytes, barrier)
+        return tree_time(link, world_size, nbytes, local, local_world_size)
+    intra = shm_time(local, local_world_size, nbytes, fixed)
     if algorithm == "shm" or hosts == 1:
         return intra
     if algorithm == "hierarchical":
@@ -112,44 +120,33 @@ def _timed(fn: object, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(a: int, b: int, group: comm.Group = None, large_bytes: int = 4 << 20,
-          repeats: int = 5) -> LinkCost:
-    """Measure the link between ranks `a` and `b`: a tiny ping-pong gives alpha; a large
-    exchange in both directions at once -- what a ring step does -- gives beta. Collective:
-    every rank calls it; ranks other than a and b take part only in the closing broadcast.
-    Returns the same LinkCost everywhere."""
-    me = comm.rank_of()
+def probe(a: int, b: int, large_bytes: int = 4 << 20, repeats: int = 5) -> LinkCost:
+    """Measure the link between ranks `a` and `b` with the transport the algorithms use: an
+    all-reduce between just the two of them -- a tiny one gives alpha, a large one beta
+    (for two ranks, t = 2 alpha + S beta + S/2 gamma). Collective: every rank calls it and
+    gets the same LinkCost."""
+    pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
+    gamma = summing_cost()
     result = torch.zeros(3, dtype=torch.float64)
-    if me in (a, b):
-        peer = b if me == a else a
-        tiny = torch.zeros(1)
-        send, arrive = torch.zeros(large_bytes // 4), torch.zeros(large_bytes // 4)
+    if comm.rank_of() in (a, b):
+        tiny, large = torch.zeros(1), torch.zeros(large_bytes // 4)
 
-        def ping_pong() -> None:
-            first, second = (comm.send, comm.recv) if me == a else (comm.recv, comm.send)
-            first(tiny, peer, "cost probe", group)
-            second(tiny, peer, "cost probe", group)
+        def reduce(t: torch.Tensor) -> None:
+            comm.all_reduce(t, "cost probe", pair)
 
-        def exchange() -> None:
-            comm.exchange(send, peer, arrive, peer, "cost probe", group)
-
-        exchange()  # warm the connection
-        alpha = _timed(ping_pong, repeats * 4) / 2
-        both_ways = _timed(exchange, repeats)
-        result[:2] = torch.tensor([alpha, max(both_ways - alpha, 1e-12) / large_bytes])
-    result[2] = summing_cost()
-    comm.broadcast(result, a, "cost probe result", group)
+        reduce(large)  # warm the connection and the buffers
+        alpha = _timed(lambda: reduce(tiny), repeats * 4) / 2
+        large_time = _timed(lambda: reduce(large), repeats)
+        beta = max(large_time - 2 * alpha - large_bytes / 2 * gamma, 1e-12) / large_bytes
+        result[:] = torch.tensor([alpha, beta, gamma])
+    comm.broadcast(result, a, "cost probe result")
     return LinkCost(*result.tolist())
 
 
-def summing_cost(nbytes: int = 16 << 20) -> float:
-    """Seconds per byte of `x += y` on this machine."""
+def summing_cost(nbytes: int = 64 << 20) -> float:
+    """Seconds per byte of `x += y` on this machine, on buffers larger than the caches."""
     x, y = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
     return _timed(lambda: x.add_(y), 5) / nbytes
-
-
-def barrier_cost(group: comm.Group = None, repeats: int = 20) -> float:
-    return _timed(lambda: comm.barrier("cost probe barrier", group), repeats)
 
 
 def describe(link: LinkCost) -> str:

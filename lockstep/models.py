@@ -49,7 +49,7 @@ class CharGPT(nn.Module):
     """A small GPT in the style of nanoGPT: learned positions, pre-norm blocks, and an output
     head tied to the token embedding. Maps (B, T) tokens to (B, T, vocab) logits."""
 
-    def __init__(self, vocab: int, block_size: int = 64, width: int = 128, layers: int = 4,
+    def __init__(self, vocab: int, block_size: int = 64, width: int = 192, layers: int = 4,
                  heads: int = 4) -> None:
         super().__init__()
         self.block_size = block_size

@@ -33,6 +33,7 @@ from lockstep.buckets import (
     plan_buckets,
     reverse_registration_order,
 )
+from lockstep.compress import Compression
 from lockstep.logs import get_logger
 
 log = get_logger(__name__)
@@ -68,13 +69,17 @@ class Reducer:
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
                  bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
-                 group: comm.Group = None, algorithm: AllReduce | None = None) -> None:
+                 group: comm.Group = None, algorithm: AllReduce | None = None,
+                 compression: Compression | None = None) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
         self.find_unused = find_unused
         self.group = group
         self.algorithm = algorithm or Native(group)
+        self.compression = compression
+        self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
+        self._raw_bytes = 0
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
         self.sync_enabled = True
@@ -169,7 +174,9 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
-            bucket.pending = self.algorithm.start(bucket.flat, bucket.label)
+            self._raw_bytes += bucket.flat.numel() * bucket.flat.element_size()
+            bucket.pending = self.compression.start(bucket) if self.compression else \
+                self.algorithm.start(bucket.flat, bucket.label)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -212,6 +219,12 @@ class Reducer:
             bucket.pending.wait()
             bucket.pending = None
         self.algorithm.end_of_backward()
+        sent = self._raw_bytes
+        if self.compression is not None:
+            sent, self.compression.sent_bytes = self.compression.sent_bytes, 0
+            self.compression.end_of_step()
+        self.stats = {"bytes_sent": sent, "bytes_uncompressed": self._raw_bytes}
+        self._raw_bytes = 0
 
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the

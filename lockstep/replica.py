@@ -24,6 +24,7 @@ from torch import nn
 from lockstep import comm
 from lockstep.algorithms import make_algorithm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB
+from lockstep.compress import make_compression
 from lockstep.diagnostics import reporter
 from lockstep.reducer import Reducer, trainable
 from lockstep.world import current
@@ -92,12 +93,15 @@ class DataParallel(nn.Module):
         algorithm: how buckets are summed: "native" (the backend's all-reduce), "ring",
             "tree", "shm" (shared memory, one host) or "hierarchical" (shm inside hosts,
             the network between them). See algorithms.py.
+        compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
+            or lockstep.TopK(ratio). See compress.py; `comm_stats()` reports the bytes.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25.0, *, find_unused: bool = False,
                  broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
-                 group: comm.Group = None, algorithm: str = "native") -> None:
+                 group: comm.Group = None, algorithm: str = "native",
+                 compress: Any = None) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
@@ -109,6 +113,12 @@ class DataParallel(nn.Module):
         comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                "broadcast of rank 0's parameters and buffers", group)
         self.algorithm = make_algorithm(algorithm, group, self.world.local_world_size)
+        self.compression = make_compression(compress)
+        if self.compression is not None:
+            if algorithm != "native":
+                raise ValueError(f"compress={compress!r} sends its own messages; it works "
+                                 f"with algorithm='native', not {algorithm!r}")
+            self.compression.bind(group)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
         self._find_unused = find_unused
         self.reducer = self._new_reducer()
@@ -117,7 +127,7 @@ class DataParallel(nn.Module):
     def _new_reducer(self) -> Reducer:
         self._trainable_mask = _requires_grad_mask(self.module)
         return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
-                       self.group, self.algorithm)
+                       self.group, self.algorithm, self.compression)
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
@@ -193,11 +203,20 @@ class DataParallel(nn.Module):
     def bucket_sizes_mb(self) -> list[float]:
         return self.reducer.bucket_sizes_mb()
 
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes this rank sent in the last synchronised step, what an uncompressed
+        reduction would have sent, and their ratio."""
+        stats = dict(self.reducer.stats)
+        sent = stats["bytes_sent"]
+        return {**stats, "compression_ratio": stats["bytes_uncompressed"] / sent if sent else 1.0}
+
     def close(self) -> None:
         """Stop reducing gradients and release the algorithm's thread and shared memory.
         The module keeps working on its own afterwards."""
         self.reducer.detach()
         self.algorithm.close()
+        if self.compression is not None:
+            self.compression.close()
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

@@ -17,7 +17,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint, comm
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
+from lockstep.precision import LossScaler, autocast, check_precision
 from lockstep.replica import DataParallel
 from lockstep.runlog import RunLog, plot_run
 from lockstep.sampler import ShardedSampler
@@ -63,6 +64,9 @@ class TrainConfig:
     """After warmup: "none" (constant) or "cosine" (to zero at the last step)."""
     grad_clip_norm: float | None = None
     """Clip the global gradient norm (over all parameters) to this value."""
+    precision: str = "fp32"
+    """"fp32", "bf16" (autocast) or "fp16" (autocast and dynamic loss scaling agreed by
+    all ranks). Weights, gradients and optimizer state stay fp32 in every case."""
     eval_every_epochs: int = 1
     """Evaluate on the test set every this many epochs (and always at the end)."""
     eval_batch_size: int = 256
@@ -86,6 +90,10 @@ class TrainConfig:
     """DataParallel's gradient bucket cap."""
     find_unused: bool = False
     """DataParallel's find_unused."""
+    algorithm: str = "native"
+    """DataParallel's reduction algorithm."""
+    compress: Any = None
+    """DataParallel's compression: None, "bf16", "fp16", PowerSGD(...) or TopK(...)."""
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -94,6 +102,7 @@ class TrainConfig:
             raise ValueError("max_batch_per_rank must be >= 1")
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
+        check_precision(self.precision)
 
 
 @dataclass(frozen=True)
@@ -168,9 +177,12 @@ class Trainer:
                              f"global batch ({self.config.global_batch_size})")
         self.model = model if isinstance(model, DataParallel) else DataParallel(
             model.to(self.world.device), bucket_mb=self.config.bucket_mb,
-            find_unused=self.config.find_unused)
+            find_unused=self.config.find_unused, algorithm=self.config.algorithm,
+            compress=self.config.compress)
         self.optimizer = optimizer(self.model.parameters())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
+        self.scaler = LossScaler(group=self.model.group) if self.config.precision == "fp16" \
+            else None
         self.schedule = self._lr_schedule()
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
@@ -262,13 +274,19 @@ class Trainer:
             x, y = next(batches)
             last = micro == self.plan.accumulation - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
-                loss = self.loss_fn(self.model(x), y) / self.plan.accumulation
-                loss.backward()
+                with autocast(self.config.precision, self.world.device):
+                    loss = self.loss_fn(self.model(x), y) / self.plan.accumulation
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.item()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # true gradients, before clipping
         if self.config.grad_clip_norm is not None:
             # After backward every rank holds the same averaged gradients: same norm, same clip.
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skipped on every rank if any overflowed
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:  # stepped per optimizer step, not per epoch
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -281,9 +299,16 @@ class Trainer:
         loss = mean.item() / self.world.world_size
         speed = steps * self.plan.global_batch / max(time.perf_counter() - started, 1e-9)
         lr = self.optimizer.param_groups[0]["lr"]
+        wire = self.model.comm_stats()
+        extra = {"loss_scale": self.scaler.scale_value} if self.scaler else {}
         runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
-                      lr=float(lr), epoch=self.state.epoch)
-        runlog.progress(steps, loss=f"{loss:.4f}", samples_s=f"{speed:.0f}")
+                      lr=float(lr), epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
+                      compression=wire["compression_ratio"], **extra)
+        shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
+                 "sent": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
+        if wire["compression_ratio"] > 1.0:
+            shown["compression"] = f"{wire['compression_ratio']:.1f}x"
+        runlog.progress(steps, **shown)
 
     # ---- evaluation ------------------------------------------------------------------------
 
@@ -308,8 +333,9 @@ class Trainer:
             seen += len(x)
             if len(x) == 0:
                 break
-            outputs = self.model(x)
-            sums[0] += self.loss_fn(outputs, y).item() * len(x)
+            with autocast(self.config.precision, self.world.device):
+                outputs = self.model(x)
+                sums[0] += self.loss_fn(outputs, y).float().item() * len(x)
             accuracy = per_sample_accuracy(outputs, y)
             sums[1] += accuracy.sum().item() if accuracy is not None else float("nan")
             sums[2] += len(x)
@@ -340,6 +366,13 @@ class Trainer:
         return {**self.sampler.state_dict(), "epoch": self.state.epoch,
                 "position": self.state.step_in_epoch * self.plan.global_batch}
 
+    def _config_record(self) -> dict[str, Any]:
+        """The config as JSON: plain values as they are, objects (a compressor) by repr.
+        (dataclasses.asdict would deep-copy a compressor, thread and all.)"""
+        plain = (int, float, str, bool, type(None))
+        return {f.name: value if isinstance(value := getattr(self.config, f.name), plain)
+                else repr(value) for f in fields(self.config)}
+
     def save_checkpoint(self) -> Path:
         started = time.perf_counter()
         state = {"epoch": self.state.epoch, "step_in_epoch": self.state.step_in_epoch,
@@ -347,7 +380,8 @@ class Trainer:
                  "global_batch_size": self.plan.global_batch,
                  "sampler": self._sampler_state(), "history": self.state.history,
                  "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                 "config": asdict(self.config)}
+                 "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "config": self._config_record()}
         folder = checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
                                  self.model.module, self.optimizer, state,
                                  self.config.keep_checkpoints)
@@ -366,6 +400,8 @@ class Trainer:
                                 history=saved["history"])
         if self.scheduler is not None and saved["scheduler"] is not None:
             self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler is not None and saved.get("scaler") is not None:
+            self.scaler.load_state_dict(saved["scaler"])
         if self.world.is_main:
             print(f"resumed from {folder} at step {self.state.global_step} (epoch "
                   f"{self.state.epoch}, sample {saved['sampler']['position']} of it), "

@@ -1,0 +1,137 @@
+"""Mixed precision and compression: the skip decision is shared, and what is approximate
+stays close -- each checked on real ranks and real data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import lockstep
+from lockstep.models import CharGPT
+from lockstep.testing import World
+from tests.models import batch, digest, loss_of, make_model
+from tests.test_trainer import digit_sets, sgd
+
+
+def check_overflow_on_one_rank() -> tuple[list[bool], list[float], str]:
+    """After the (averaged) backward, one rank alone finds an inf: every rank must skip."""
+    world = lockstep.init()
+    net = make_model("mlp")
+    model = lockstep.DataParallel(net)
+    opt = sgd(model.parameters())
+    scaler = lockstep.LossScaler(init_scale=1024.0)
+    stepped, scales = [], []
+    for step in range(4):
+        opt.zero_grad()
+        with lockstep.precision.autocast("fp16", world.device):
+            loss = loss_of("mlp", model, *batch("mlp", step * 2 + world.rank, 8))
+        scaler.scale(loss).backward()
+        if step == 2 and world.rank == world.world_size - 1:
+            net[0].weight.grad[0, 0] = float("inf")  # this rank only
+        stepped.append(scaler.step(opt))
+        scales.append(scaler.scale_value)
+    return stepped, scales, digest(net)
+
+
+def test_an_overflow_on_one_rank_makes_every_rank_skip(world: World) -> None:
+    results = world.run(check_overflow_on_one_rank)
+    for stepped, scales, _ in results:
+        assert stepped == [True, True, False, True]
+        assert scales == [1024.0, 1024.0, 512.0, 512.0]
+    assert len({r[2] for r in results}) == 1  # replicas identical
+
+
+def check_precision_training(precision: str, run_dir: str) -> float:
+    lockstep.init()
+    train_set, test_set = digit_sets()
+    config = lockstep.TrainConfig(global_batch_size=48, epochs=3, run_dir=run_dir,
+                                  resume="never", progress=False, precision=precision)
+    trainer = lockstep.Trainer(make_model("mlp"), lambda p: torch.optim.Adam(p, lr=3e-3),
+                               train_set, test_set, config=config)
+    return float(trainer.fit()["test_accuracy"])
+
+
+def test_bf16_and_fp16_train_as_well_as_fp32(world2: World, tmp_path: Path) -> None:
+    accuracy = {p: world2.run(check_precision_training, p, str(tmp_path / p))[0]
+                for p in ("fp32", "bf16", "fp16")}
+    assert accuracy["fp32"] > 0.8  # it learned (chance is 0.1)
+    for precision in ("bf16", "fp16"):
+        assert abs(accuracy[precision] - accuracy["fp32"]) <= 0.01, accuracy
+
+
+def check_compression(compress: object) -> tuple[float, float, float]:
+    """Relative gap between compressed and exact averages, over a few steps, and the
+    bytes ratio; gradients accumulated under no_sync first, to check they compose."""
+    world = lockstep.init()
+    net, ref = make_model("mlp"), make_model("mlp")
+    model = lockstep.DataParallel(net, compress=compress)
+    exact = lockstep.DataParallel(ref)
+    gaps = []
+    for step in range(4):
+        x, y = batch("mlp", step * world.world_size + world.rank, 16)
+        for m in (model, exact):
+            m.zero_grad()
+            with m.no_sync():
+                loss_of("mlp", m, x[:8], y[:8]).backward()
+            loss_of("mlp", m, x[8:], y[8:]).backward()
+        gaps.append(max(((p.grad - q.grad).norm() / q.grad.norm()).item()
+                        for p, q in zip(net.parameters(), ref.parameters())))
+    stats = model.comm_stats()
+    model.close()
+    exact.close()
+    return max(gaps), min(gaps), stats["compression_ratio"]
+
+
+def test_bf16_and_fp16_compression_match_fp32_to_their_precision(world: World) -> None:
+    for worst, _, ratio in world.run(check_compression, "bf16"):
+        assert worst < 2 ** -7 and ratio == 2.0  # bf16 keeps 8 bits of mantissa
+    for worst, _, ratio in world.run(check_compression, "fp16"):
+        assert worst < 2 ** -10 and ratio == 2.0
+
+
+def test_powersgd_and_topk_send_less_and_approximate(world2: World) -> None:
+    worst, best, ratio = world2.run(check_compression,
+                                    lockstep.PowerSGD(rank=2, warmup_steps=1))[0]
+    assert best < 1e-6 < worst  # exact while warming up, approximate after
+    assert ratio > 5
+    worst, _, ratio = world2.run(check_compression, lockstep.TopK(0.05))[0]
+    assert 0 < worst < 1.5 and 9.5 < ratio < 10.5  # 5% of the entries, values + int32 indices
+
+
+def check_powersgd_error_feedback_is_lossless_in_sum() -> float:
+    """Error feedback loses nothing: the approximation plus every rank's kept error equals
+    the exact sum of the gradients."""
+    world = lockstep.init()
+    net, ref = make_model("mlp"), make_model("mlp")
+    compressor = lockstep.PowerSGD(rank=1, warmup_steps=0, min_compression=1.0)
+    model, exact = lockstep.DataParallel(net, compress=compressor), lockstep.DataParallel(ref)
+    x, y = batch("mlp", world.rank, 16)
+    loss_of("mlp", model, x, y).backward()
+    loss_of("mlp", exact, x, y).backward()
+    weight = net[0].weight
+    error = compressor._errors[id(weight)].clone()
+    lockstep.comm.all_reduce(error, "test: sum of kept errors")
+    gap = (weight.grad + error - ref[0].weight.grad).abs().max().item()
+    model.close()
+    exact.close()
+    return gap
+
+
+def test_powersgd_error_feedback_keeps_what_it_did_not_send(world: World) -> None:
+    assert max(world.run(check_powersgd_error_feedback_is_lossless_in_sum)) < 1e-6
+
+
+def check_powersgd_bytes_on_char_gpt() -> float:
+    lockstep.init()
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(CharGPT(vocab=63),
+                                  compress=lockstep.PowerSGD(rank=4, warmup_steps=0))
+    model(torch.randint(0, 63, (4, 64))).sum().backward()
+    ratio = model.comm_stats()["compression_ratio"]
+    model.close()
+    return ratio
+
+
+def test_powersgd_rank4_sends_20x_less_on_the_char_gpt(world2: World) -> None:
+    assert world2.run(check_powersgd_bytes_on_char_gpt)[0] >= 20
