@@ -101,11 +101,8 @@ def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
     if reason is not None:
         print(f"skipping {setting}: no emulated cluster here ({reason})")
         return None
-    job = [sys.executable, "-m", "lockstep.cli", "run", "-n", "2", "--nnodes", "2",
-           "--node-rank", "{host}", "--rdzv-endpoint", "{host0}:29410", "--local-addr",
-           "{addr}", os.path.abspath(__file__), *args]
     with Cluster(hosts=2, bandwidth=setting) as cluster:
-        results = cluster.run([job, job], timeout=1800)
+        results = cluster.run_job(2, os.path.abspath(__file__), args, port=29410)
     for r in results:
         print(r.stdout, end="")
     if any(r.returncode for r in results):

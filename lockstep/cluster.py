@@ -188,6 +188,15 @@ class Cluster:
                             stderr=subprocess.PIPE) for h, cmd in enumerate(commands)]
         return _wait_all(procs, timeout)
 
+    def run_job(self, nproc: int, script: str, args: Sequence[str], port: int = 29400,
+                timeout: float = 1800.0) -> list[subprocess.CompletedProcess[str]]:
+        """Run one `lockstep run` job over every host: `nproc` workers each, rendezvous on
+        host 0. Returns each host's launcher result."""
+        job = [sys.executable, "-m", "lockstep.cli", "run", "-n", str(nproc), "--nnodes",
+               str(self.hosts), "--node-rank", "{host}", "--rdzv-endpoint",
+               f"{{host0}}:{port}", "--local-addr", "{addr}", script, *args]
+        return self.run([job] * self.hosts, timeout=timeout)
+
     def expand(self, command: Sequence[str], host: int) -> list[str]:
         """Fill in `{host}` (this host's index), `{addr}` (its address) and `{host0}`
         (host 0's address, where a rendezvous can live)."""

@@ -1,0 +1,112 @@
+"""Do the approximate features still learn? Train each variant to the end and compare.
+
+Each variant is a full Trainer run with 2 workers, on the demo task (the small CNN on real
+MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text): mixed precision (bf16,
+fp16), compression (PowerSGD rank 4, TopK 1%), against fp32 uncompressed. Prints test
+accuracy and final test loss side by side, with the gap to the baseline.
+
+    python benchmarks/convergence.py                       # everything (~10 minutes)
+    python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lockstep
+from lockstep import data
+from lockstep.launch import LaunchSpec, run
+from lockstep.models import CharGPT, small_cnn
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "PowerSGD-4": {"compress": lambda: lockstep.PowerSGD(rank=4, warmup_steps=10)},
+    "TopK-1%": {"compress": lambda: lockstep.TopK(0.01)},
+}
+TASKS = {
+    # The demo's recipe (lockstep/demo.py): 6 epochs of 62 steps of 64 digits.
+    "mnist": {"config": dict(global_batch_size=64, epochs=6, lr=3e-3, warmup_steps=20,
+                             decay="cosine")},
+    # The char-GPT example's recipe, shortened: 300 steps of 32 sequences of 64 characters.
+    "chargpt": {"config": dict(global_batch_size=32, max_steps=300, lr=3e-3, warmup_steps=30,
+                               decay="cosine", grad_clip_norm=1.0, eval_batch_size=512)},
+}
+
+
+def build(task: str) -> tuple[torch.nn.Module, Any, Any, Any]:
+    torch.manual_seed(0)
+    if task == "mnist":
+        train, test = data.mnist()
+        return small_cnn(), train, test, lambda p: torch.optim.Adam(p)
+    train, test = data.kjv_chars(block_size=64)
+    return (CharGPT(vocab=len(train.vocab)), train, test,
+            lambda p: torch.optim.AdamW(p, weight_decay=0.1))
+
+
+def worker(task: str, variant: str, out: Path) -> None:
+    world = lockstep.init()
+    model, train, test, optimizer = build(task)
+    overrides = {k: (v() if callable(v) else v) for k, v in VARIANTS[variant].items()}
+    config = lockstep.TrainConfig(**TASKS[task]["config"], run_dir=str(out.parent / variant),
+                                  resume="never", progress=False, log_every_steps=10,
+                                  **overrides)
+    summary = lockstep.Trainer(model, optimizer, train, test, config=config).fit()
+    if world.is_main:
+        out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant)}))
+
+
+def _bytes(run_dir: Path) -> float:
+    from lockstep.runlog import read_metrics
+
+    sent = [r["bytes_sent"] for r in read_metrics(run_dir) if r["kind"] == "train"]
+    return sent[-1] if sent else 0.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--out", default="runs/bench/convergence")
+    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]))
+        return 0
+    for task in args.tasks:
+        results = {}
+        for variant in args.variants:
+            out = (Path(args.out) / task / f"{variant}.json").resolve()
+            out.parent.mkdir(parents=True, exist_ok=True)
+            print(f"{task} / {variant} ...", flush=True)
+            code = run(LaunchSpec(nproc=2, target=os.path.abspath(__file__),
+                                  args=["--worker", task, variant, str(out)]))
+            if code == 0:
+                results[variant] = json.loads(out.read_text())
+        report(task, results)
+    return 0
+
+
+def report(task: str, results: dict[str, dict[str, Any]]) -> None:
+    base = results.get("fp32")
+    print(f"\n{task}: 2 workers; gaps against fp32 uncompressed")
+    print(f"{'variant':12s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
+          f"{'MB/step':>8s}")
+    for name, r in results.items():
+        acc_gap = f"{r['test_accuracy'] - base['test_accuracy']:+.4f}" if base else ""
+        loss_gap = f"{r['test_loss'] / base['test_loss'] - 1:+.1%}" if base else ""
+        print(f"{name:12s} {r['test_accuracy']:9.4f} {acc_gap:>7s} {r['test_loss']:10.4f} "
+              f"{loss_gap:>7s} {r['bytes_per_step'] / 1e6:8.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
