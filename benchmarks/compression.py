@@ -6,11 +6,11 @@ char-GPT (lockstep.models.CharGPT) trains on the same KJV batches with:
     lockstep: none, bf16, PowerSGD(rank 4), TopK(1%)
     torch DDP: no hook, fp16_compress_hook, bf16_compress_hook, powerSGD_hook(rank 4)
 
-One process per host: torch's powerSGD_hook issues each bucket's Q all-reduce from a future
-callback, racing the next bucket's P all-reduce from the main thread; on Gloo with 4 ranks
-the two can reach ranks in different orders and the job aborts ("Received data size doesn't
-match expected size"). With 2 ranks it runs. (lockstep's compressors issue every bucket's
-collectives in order from one thread.)
+torch's powerSGD_hook issues each bucket's Q all-reduce from a future callback, racing the
+next bucket's P all-reduce from the main thread; on Gloo the two can reach ranks in
+different orders and the job aborts ("Received data size doesn't match expected size").
+So both PowerSGD modes here use a single bucket. (lockstep's compressors issue every
+bucket's collectives in order from one thread, and need no such care.)
 
 Every round runs a few steps of each mode in turn (the order reversed every other round);
 the table shows the median step time and the bytes each rank sent, and the ratios the
@@ -51,8 +51,9 @@ def lockstep_modes(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {
         "lockstep none": lockstep.DataParallel(copy.deepcopy(base)),
         "lockstep bf16": lockstep.DataParallel(copy.deepcopy(base), compress="bf16"),
-        "lockstep PowerSGD-4": lockstep.DataParallel(
-            copy.deepcopy(base), compress=lockstep.PowerSGD(rank=4, warmup_steps=2)),
+        "lockstep PowerSGD-4": lockstep.DataParallel(  # one bucket, like DDP's below
+            copy.deepcopy(base), bucket_mb=100, first_bucket_mb=100,
+            compress=lockstep.PowerSGD(rank=4, warmup_steps=2)),
         "lockstep TopK-1%": lockstep.DataParallel(copy.deepcopy(base),
                                                   compress=lockstep.TopK(0.01)),
     }
@@ -70,7 +71,9 @@ def ddp_modes(base: torch.nn.Module) -> tuple[dict[str, torch.nn.Module], dict[s
             refused[name] = str(error).strip().splitlines()[0][:160]
             continue
         modes[name] = model
-    model = DDP(copy.deepcopy(base))
+    # One bucket: with two, the hook's Q all-reduce (issued from a future callback) races
+    # the next bucket's P all-reduce on Gloo and the job aborts with a size mismatch.
+    model = DDP(copy.deepcopy(base), bucket_cap_mb=100)
     state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
                                start_powerSGD_iter=2, warm_start=True)
     model.register_comm_hook(state, psgd.powerSGD_hook)

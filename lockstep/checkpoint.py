@@ -188,10 +188,11 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-         state: dict[str, Any], keep: int = 3) -> Path:
-    """Write a checkpoint of `model`, `optimizer` and the JSON-able `state` from every rank.
-
-    Collective: every rank must call it. Returns the checkpoint folder.
+         state: dict[str, Any], keep: int = 3,
+         extra: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a checkpoint of `model`, `optimizer`, any `extra` named tensors, and the
+    JSON-able `state`, from every rank. Collective: every rank must call it. Returns the
+    checkpoint folder.
     """
     root = Path(root)
     rank = dist.get_rank()
@@ -202,7 +203,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
         tmp.mkdir(parents=True, exist_ok=True)
     comm.barrier(f"checkpoint: rank 0 creating {tmp}")
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state},
+    dcp.save({"model": model_state, "optim": optim_state, "extra": dict(extra or {})},
              storage_writer=FileSystemWriter(tmp, sync_files=True))
     _write_json(tmp / f"rng-rank{rank}.json", rng_state())
     if rank == 0:
@@ -259,8 +260,8 @@ def latest_valid(root: str | Path) -> Path | None:
     return Path(choice) if choice else None
 
 
-def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
-         ) -> dict[str, Any]:
+def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+         extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Verify a checkpoint, load it into `model` and `optimizer` (on every rank) and restore
     this rank's RNG state when the checkpoint has one for it. Returns the JSON state."""
     folder = Path(folder)
@@ -271,7 +272,10 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
                               f"{problem}")
     model_state, optim_state = get_state_dict(model, optimizer)
     try:
-        dcp.load({"model": model_state, "optim": optim_state}, storage_reader=SafeReader(folder))
+        bundle: dict[str, Any] = {"model": model_state, "optim": optim_state}
+        if extra:
+            bundle["extra"] = extra  # loaded in place
+        dcp.load(bundle, storage_reader=SafeReader(folder))
     except CheckpointException as error:  # a BaseException: wraps each rank's real failure
         cause = next(iter(error.failures.values()))[0]
         raise CheckpointError(f"rank {dist.get_rank()}: cannot load checkpoint {folder}: "

@@ -112,12 +112,18 @@ class PowerSGD(Compression):
         pairs = list(zip(bucket.params, bucket.views, strict=True))
         matrices = [(id(p), v.view(v.shape[0], -1)) for p, v in pairs if self._compressible(v)]
         vectors = [v for p, v in pairs if not self._compressible(v)]
-        if vectors:  # one all-reduce for everything sent whole
+        in_flight = None
+        if vectors:  # one all-reduce for everything sent whole, overlapping the P products
             whole = torch.cat([v.reshape(-1) for v in vectors])
-            self._all_reduce(whole, f"PowerSGD uncompressed part of {label}")
-            torch._foreach_copy_(vectors, list(whole.split([v.numel() for v in vectors])))
+            in_flight = comm.all_reduce_async(whole, f"PowerSGD uncompressed part of {label}",
+                                              self.group)
+            self.sent_bytes += whole.numel() * whole.element_size()
         if matrices:
             self._compress(matrices, label)
+        if in_flight is not None:
+            in_flight.wait()
+            torch._foreach_copy_(vectors, [w.view_as(v) for w, v in zip(
+                whole.split([v.numel() for v in vectors]), vectors, strict=True)])
 
     def _compress(self, matrices: list[tuple[int, torch.Tensor]], label: str) -> None:
         locals_ = []

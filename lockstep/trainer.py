@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint, comm
+from lockstep.lowcomm import DiLoCo, LocalSGD
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
 from lockstep.precision import LossScaler, autocast, check_precision
 from lockstep.replica import DataParallel
@@ -94,6 +95,17 @@ class TrainConfig:
     """DataParallel's reduction algorithm."""
     compress: Any = None
     """DataParallel's compression: None, "bf16", "fp16", PowerSGD(...) or TopK(...)."""
+    mode: str = "sync"
+    """"sync" (gradients averaged every step), "local_sgd" (parameters averaged every
+    `sync_every` steps) or "diloco" (an outer Nesterov step every `sync_every` steps)."""
+    sync_every: int = 50
+    """Local steps per round, for local_sgd and diloco."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (0: plain SGD)."""
+    pseudo_grad_bf16: bool = False
+    """DiLoCo: send pseudo-gradients in bf16."""
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -103,6 +115,8 @@ class TrainConfig:
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
         check_precision(self.precision)
+        if self.mode not in ("sync", "local_sgd", "diloco"):
+            raise ValueError(f"mode must be 'sync', 'local_sgd' or 'diloco', not {self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -175,10 +189,7 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise ValueError(f"the training set ({len(train_set)} samples) is smaller than one "  # type: ignore[arg-type]
                              f"global batch ({self.config.global_batch_size})")
-        self.model = model if isinstance(model, DataParallel) else DataParallel(
-            model.to(self.world.device), bucket_mb=self.config.bucket_mb,
-            find_unused=self.config.find_unused, algorithm=self.config.algorithm,
-            compress=self.config.compress)
+        self.model = self._wrap(model)
         self.optimizer = optimizer(self.model.parameters())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.scaler = LossScaler(group=self.model.group) if self.config.precision == "fp16" \
@@ -189,6 +200,23 @@ class Trainer:
         self.state = TrainState()
         self._checkpoint_seconds = 0.0
         self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed)  # type: ignore[arg-type]
+
+    def _wrap(self, model: nn.Module) -> Any:
+        c = self.config
+        if isinstance(model, (DataParallel, LocalSGD, DiLoCo)):
+            return model
+        model = model.to(self.world.device)
+        if c.mode == "local_sgd":
+            return LocalSGD(model, c.sync_every)
+        if c.mode == "diloco":
+            return DiLoCo(model, c.sync_every, c.outer_lr, c.outer_momentum,
+                          bf16=c.pseudo_grad_bf16)
+        return DataParallel(model, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
+                            algorithm=c.algorithm, compress=c.compress)
+
+    def _in_sync(self) -> bool:
+        """Whether every replica holds the same model now (always, in sync mode)."""
+        return not isinstance(self.model, (LocalSGD, DiLoCo)) or self.model.in_sync()
 
     @property
     def total_steps(self) -> int:
@@ -220,6 +248,8 @@ class Trainer:
                 finished = self.state.global_step >= self.total_steps
                 if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
                     self._evaluate_and_record(runlog)
+            if isinstance(self.model, (LocalSGD, DiLoCo)):
+                self.model.finish()  # every replica identical before the last evaluation
             metrics = self._evaluate_and_record(runlog)
         finally:
             runlog.close()
@@ -287,6 +317,8 @@ class Trainer:
             self.scaler.step(self.optimizer)  # skipped on every rank if any overflowed
         else:
             self.optimizer.step()
+        if isinstance(self.model, (LocalSGD, DiLoCo)):
+            self.model.after_step()
         if self.scheduler is not None:  # stepped per optimizer step, not per epoch
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -357,6 +389,8 @@ class Trainer:
     # ---- checkpoints ---------------------------------------------------------------------
 
     def _checkpoint_due(self, epoch_done: bool) -> bool:
+        if not self._in_sync():  # replicas differ mid-round: wait for its end
+            return False
         every = self.config.checkpoint_every_steps
         if every is None:
             return epoch_done or self.state.global_step == self.total_steps
@@ -365,6 +399,11 @@ class Trainer:
     def _sampler_state(self) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "epoch": self.state.epoch,
                 "position": self.state.step_in_epoch * self.plan.global_batch}
+
+    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+        """State a low-communication mode keeps besides model and optimizer (DiLoCo's
+        outer optimizer)."""
+        return self.model.checkpoint_tensors() if isinstance(self.model, DiLoCo) else {}
 
     def _config_record(self) -> dict[str, Any]:
         """The config as JSON: plain values as they are, objects (a compressor) by repr.
@@ -384,7 +423,7 @@ class Trainer:
                  "config": self._config_record()}
         folder = checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
                                  self.model.module, self.optimizer, state,
-                                 self.config.keep_checkpoints)
+                                 self.config.keep_checkpoints, self._extra_tensors())
         self._checkpoint_seconds += time.perf_counter() - started
         return folder
 
@@ -394,7 +433,8 @@ class Trainer:
         folder = self._checkpoint_to_resume()
         if folder is None:
             return
-        saved = checkpoint.load(folder, self.model.module, self.optimizer)
+        saved = checkpoint.load(folder, self.model.module, self.optimizer,
+                                self._extra_tensors())
         self._check_resumable(folder, saved)
         self.state = TrainState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                                 history=saved["history"])
