@@ -98,11 +98,15 @@ def run(spec: LaunchSpec) -> int:
 
 
 def _is_knock_on(failure: Any) -> bool:
-    """A failure caused by another one: a collective that lost its partner, or the SIGTERM
-    torchrun sends the surviving workers when it stops the job."""
-    text = str(failure.message)
-    return failure.exitcode == -signal.SIGTERM or "CollectiveError" in text or \
-        "Connection closed by peer" in text or "Connection reset by peer" in text
+    """A failure caused by another one: a collective that lost its partner, or (for a
+    worker that recorded no exception) the SIGTERM torchrun sends the survivors. A worker
+    that raised is judged by what it raised, even if the SIGTERM caught it on the way out."""
+    message = failure.message
+    if isinstance(message, dict):
+        text = str(message)
+        return "CollectiveError" in text or "Connection closed by peer" in text or \
+            "Connection reset by peer" in text
+    return bool(failure.exitcode == -signal.SIGTERM)
 
 
 def root_cause(failed: Any) -> tuple[int, Any]:

@@ -14,6 +14,7 @@ world size, and a checkpoint resumes at any world size where it left off.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from lockstep import checkpoint, comm
 from lockstep.lowcomm import DiLoCo, LocalSGD
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
+from lockstep.paramserver import ParameterServer, Worker, session_prefix
 from lockstep.precision import LossScaler, autocast, check_precision
 from lockstep.replica import DataParallel
 from lockstep.runlog import RunLog, plot_run
@@ -106,6 +108,10 @@ class TrainConfig:
     """DiLoCo's outer Nesterov momentum (0: plain SGD)."""
     pseudo_grad_bf16: bool = False
     """DiLoCo: send pseudo-gradients in bf16."""
+    max_staleness: int = 4
+    """async: how many steps a worker may run ahead of the slowest live one (0: sync)."""
+    dead_after_s: float = 60.0
+    """async: a worker silent this long while others progress no longer holds them back."""
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -115,8 +121,9 @@ class TrainConfig:
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
         check_precision(self.precision)
-        if self.mode not in ("sync", "local_sgd", "diloco"):
-            raise ValueError(f"mode must be 'sync', 'local_sgd' or 'diloco', not {self.mode!r}")
+        if self.mode not in ("sync", "local_sgd", "diloco", "async"):
+            raise ValueError(f"mode must be 'sync', 'local_sgd', 'diloco' or 'async', not "
+                             f"{self.mode!r}")
 
 
 @dataclass(frozen=True)
@@ -182,7 +189,11 @@ class Trainer:
         self.config = config or TrainConfig()
         self.config.validate()
         self.world: World = init()
-        self.plan = plan_batches(self.config.global_batch_size, self.world.world_size,
+        # In async mode rank 0 serves parameters and the other ranks share the batch.
+        trainers = self.world.world_size - (self.config.mode == "async")
+        if trainers < 1:
+            raise ValueError("mode='async' needs at least 2 ranks: a server and a worker")
+        self.plan = plan_batches(self.config.global_batch_size, trainers,
                                  self.config.max_batch_per_rank)
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
         self.steps_per_epoch = len(train_set) // self.config.global_batch_size  # type: ignore[arg-type]
@@ -211,6 +222,8 @@ class Trainer:
         if c.mode == "diloco":
             return DiLoCo(model, c.sync_every, c.outer_lr, c.outer_momentum,
                           bf16=c.pseudo_grad_bf16)
+        if c.mode == "async":
+            return LocalSGD(model, every=1)  # a replica; the parameter server keeps it current
         return DataParallel(model, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
                             algorithm=c.algorithm, compress=c.compress)
 
@@ -236,6 +249,8 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to the end (resuming if configured), evaluate, and return a summary."""
+        if self.config.mode == "async":
+            return self._fit_async()
         self._start()
         runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
                         self.state.global_step, self.config.progress)
@@ -341,6 +356,79 @@ class Trainer:
         if wire["compression_ratio"] > 1.0:
             shown["compression"] = f"{wire['compression_ratio']:.1f}x"
         runlog.progress(steps, **shown)
+
+    # ---- asynchronous: a parameter server on rank 0 -------------------------------------
+
+    def _fit_async(self) -> dict[str, Any]:
+        """Rank 0 serves parameters and applies gradients; the others train without waiting
+        for each other (up to max_staleness); then everyone evaluates the final model."""
+        c, world, module = self.config, self.world, self.model.module
+        prefix = session_prefix()
+        runlog = RunLog(self.run_dir, world.rank == 1, self.total_steps, 0, c.progress)
+        started = time.perf_counter()
+        try:
+            if world.rank == 0:
+                workers = world.world_size - 1
+                server = ParameterServer(module, lambda _: self.optimizer, prefix,
+                                         self.total_steps * workers, c.max_staleness,
+                                         c.dead_after_s, self.schedule)
+                stats: dict[str, Any] = dict(server.serve().summary())
+                samples = 0
+            else:
+                worker = Worker(module, prefix, c.max_staleness)
+                samples, stats = self._work_async(worker, runlog), {}
+            totals = torch.tensor([float(samples), time.perf_counter() - started])
+            comm.all_reduce(totals, "async: samples trained")
+            stats = comm.broadcast_object(stats, 0, "async: server statistics")
+            metrics = self._evaluate_and_record(runlog)
+        finally:
+            runlog.close()
+        if world.rank == 1:
+            plot_run(self.run_dir)
+        return {"steps": self.total_steps,
+                "samples_per_s": totals[0].item() / (totals[1].item() / world.world_size),
+                "test_loss": metrics.get("loss"), "test_accuracy": metrics.get("accuracy"),
+                "fingerprint": checkpoint.fingerprint(module), "world_size": world.world_size,
+                "run_dir": str(self.run_dir), "server": stats}
+
+    def _work_async(self, worker: Worker, runlog: RunLog) -> int:
+        """A worker's loop: pull, accumulate micro-batches, push -- until the server has
+        spent its budget of updates. Returns the samples this worker trained on."""
+        c, module, world = self.config, self.model.module, self.world
+        sampler = ShardedSampler(self.train_set, shuffle=True, seed=c.seed,  # type: ignore[arg-type]
+                                 rank=world.rank - 1, world_size=world.world_size - 1)
+        batches = self._epochs_of_micro_batches(sampler)
+        trained, window = 0, time.perf_counter()
+        # Synchronous rounds (bound 0): exactly total_steps each. Otherwise: until told.
+        rounds = self.total_steps if c.max_staleness == 0 else None
+        while (rounds is None or worker.step < rounds) and worker.pull():
+            module.zero_grad(set_to_none=True)
+            loss = 0.0
+            for _ in range(self.plan.accumulation):
+                x, y = next(batches)
+                part = self.loss_fn(module(x), y) / self.plan.accumulation
+                part.backward()
+                loss += part.item()
+            worker.push()
+            trained += self.plan.per_rank
+            if worker.step % c.log_every_steps == 0:
+                speed = c.log_every_steps * self.plan.per_rank / (time.perf_counter() - window)
+                window = time.perf_counter()
+                runlog.record("train", worker.step, loss=loss, samples_per_s=speed,
+                              bytes_sent=worker.bytes_sent / worker.step)
+                runlog.progress(c.log_every_steps, loss=f"{loss:.4f}")
+        worker.finish()
+        return trained
+
+    def _epochs_of_micro_batches(self, sampler: ShardedSampler) -> Iterator[Batch]:
+        """This worker's micro-batches, epoch after epoch, full steps only."""
+        per_epoch = self.steps_per_epoch * self.plan.accumulation
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            loader = DataLoader(self.train_set, batch_size=self.plan.micro_batch,
+                                sampler=sampler, generator=torch.Generator().manual_seed(epoch))
+            for _, (x, y) in zip(range(per_epoch), loader, strict=False):
+                yield x.to(self.world.device), y.to(self.world.device)
 
     # ---- evaluation ------------------------------------------------------------------------
 
@@ -453,7 +541,10 @@ class Trainer:
             return checkpoint.latest_valid(root)
         if self.config.resume != "never":
             return Path(self.config.resume)
-        if checkpoint.list_checkpoints(root):
+        # Rank 0 looks, everyone hears: ranks that decided apart would part ways.
+        earlier = comm.broadcast_object(bool(checkpoint.list_checkpoints(root)), 0,
+                                        "trainer: agree whether run_dir holds checkpoints")
+        if earlier:
             raise ValueError(f"rank {self.world.rank}: {root} holds checkpoints of an earlier "
                              "run and resume='never' would mix them with this one; resume it "
                              "(resume='auto'), or use another run_dir, or remove them")

@@ -1,0 +1,88 @@
+"""The asynchronous parameter server: staleness 0 is synchronous SGD, a straggler slows only
+itself, and a dead worker stops no one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+import lockstep
+from lockstep.testing import World
+from tests.models import make_model
+from tests.test_lowcomm import gap, run
+from tests.test_trainer import digit_sets
+
+
+def test_staleness_0_equals_synchronous_sgd(world2: World, world3: World,
+                                            tmp_path: Path) -> None:
+    sync = world2.run(run, str(tmp_path / "sync"))  # 2 ranks: global batch 48 = 2 x 24
+    asynchronous = world3.run(run, str(tmp_path / "async"), mode="async", max_staleness=0)
+    for weights, _, _ in asynchronous:  # 1 server + 2 workers of 24: the same batches
+        assert gap(weights, sync[0][0]) < 5e-5
+    assert len({r[1] for r in asynchronous}) == 1
+
+
+def train_with_straggler(mode: str, slow_rank: int | None, steps: int, run_dir: str) -> float:
+    """Training throughput (samples/s) of `steps` steps' worth of samples; `slow_rank`
+    takes 3x as long per step as the others."""
+    world = lockstep.init()
+    train_set, _ = digit_sets()
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # A step's work as sleep, so 3 ranks on 2 cores do not slow each other: 0.1 s, and
+        # 3x that on the straggler.
+        time.sleep(0.3 if world.rank == slow_rank else 0.1)
+        return torch.nn.functional.cross_entropy(out, y)
+
+    config = lockstep.TrainConfig(global_batch_size=24, max_steps=steps,
+                                  run_dir=run_dir,
+                                  progress=False, resume="never", mode=mode, max_staleness=4)
+    trainer = lockstep.Trainer(make_model("mlp"), lambda p: torch.optim.SGD(p, lr=0.05),
+                               train_set, config=config, loss_fn=loss_fn)
+    return float(trainer.fit()["samples_per_s"])
+
+
+def test_a_straggler_slows_async_far_less_than_sync(world3: World, tmp_path: Path) -> None:
+    def throughput(mode: str, slow: int | None) -> float:
+        return world3.run(train_with_straggler, mode, slow, 20,
+                          str(tmp_path / f"{mode}-{slow}"))[0]
+
+    # The same budget of samples each time; throughput relative to no straggler.
+    async_pace = throughput("async", 2) / throughput("async", None)
+    sync_pace = throughput("sync", 2) / throughput("sync", None)
+    workers = 2  # async: rank 0 serves
+    assert async_pace >= (workers - 1) / workers  # the fast worker keeps its pace
+    assert sync_pace < 0.45  # synchronous training moves at the straggler's pace (1/3)
+
+
+def check_a_silent_worker(steps: int) -> dict[str, object]:
+    """In synchronous rounds (bound 0, where workers do wait for each other), worker 2 goes
+    silent after 3 steps; worker 1 must still train all its steps."""
+    world = lockstep.init()
+    model = make_model("mlp")
+    prefix = lockstep.paramserver.session_prefix()
+    if world.rank == 0:
+        server = lockstep.paramserver.ParameterServer(
+            model, lambda p: torch.optim.SGD(p, lr=0.05), prefix, updates=10_000,
+            max_staleness=0, dead_after_s=1.5)
+        return server.serve().summary() | {"dead": server.stats.dead}
+    worker = lockstep.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
+    x, y = digit_sets()[0].tensors
+    for _ in range(steps if world.rank == 1 else 3):
+        worker.pull()
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        worker.push()
+    if world.rank == 2:
+        time.sleep(6)  # silent: neither pushes nor says it is done
+        return {"worker": 2}
+    worker.finish()
+    return {"worker": 1, "steps": worker.step}
+
+
+def test_a_silent_worker_does_not_stop_the_others(world3: World) -> None:
+    server, first, _ = world3.run(check_a_silent_worker, 20)
+    assert server["dead"] == [2] and server["applied"] == 23
+    assert first == {"worker": 1, "steps": 20}
