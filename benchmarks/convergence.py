@@ -1,9 +1,12 @@
 """Do the approximate features still learn? Train each variant to the end and compare.
 
 Each variant is a full Trainer run with 2 workers, on the demo task (the small CNN on real
-MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text): mixed precision (bf16,
-fp16), compression (PowerSGD rank 4, TopK 1%), against fp32 uncompressed. Prints test
-accuracy and final test loss side by side, with the gap to the baseline.
+MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text), seeing the same number of
+samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, TopK 1%), and the
+low-communication modes (local SGD every 10 steps, DiLoCo every 50, an asynchronous
+parameter server with staleness bound 4 -- which runs 3 ranks: a server and 2 workers),
+against synchronous fp32. Prints test accuracy and final test loss side by side, with the
+gap to the baseline.
 
     python benchmarks/convergence.py                       # everything (~10 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
@@ -31,7 +34,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp16": {"precision": "fp16"},
     "PowerSGD-4": {"compress": lambda: lockstep.PowerSGD(rank=4, warmup_steps=10)},
     "TopK-1%": {"compress": lambda: lockstep.TopK(0.01)},
+    "LocalSGD-10": {"mode": "local_sgd", "sync_every": 10},
+    "DiLoCo-50": {"mode": "diloco", "sync_every": 50},
+    "async-4": {"mode": "async", "max_staleness": 4},
 }
+RANKS = {"async-4": 3}  # a parameter server and 2 workers
 TASKS = {
     # The demo's recipe (lockstep/demo.py): 6 epochs of 62 steps of 64 digits.
     "mnist": {"config": dict(global_batch_size=64, epochs=6, lr=3e-3, warmup_steps=20,
@@ -61,6 +68,7 @@ def worker(task: str, variant: str, out: Path) -> None:
                                   **overrides)
     summary = lockstep.Trainer(model, optimizer, train, test, config=config).fit()
     if world.is_main:
+        summary.pop("server", None)
         out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant)}))
 
 
@@ -88,7 +96,7 @@ def main() -> int:
             out = (Path(args.out) / task / f"{variant}.json").resolve()
             out.parent.mkdir(parents=True, exist_ok=True)
             print(f"{task} / {variant} ...", flush=True)
-            code = run(LaunchSpec(nproc=2, target=os.path.abspath(__file__),
+            code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
                                   args=["--worker", task, variant, str(out)]))
             if code == 0:
                 results[variant] = json.loads(out.read_text())

@@ -27,6 +27,7 @@ from lockstep.sampler import ShardedSampler
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from lockstep.trainer import TrainConfig, Trainer
 from lockstep.world import World, init
+from lockstep.zero import memory_report
 
 __version__ = "0.1.0"
 
@@ -51,5 +52,6 @@ __all__ = [
     "convert_sync_batchnorm",
     "fingerprint",
     "init",
+    "memory_report",
     "naive_average_gradients",
 ]

@@ -179,3 +179,17 @@ def group_ranks(group: Group = None) -> list[int]:
     if group is None:
         return list(range(dist.get_world_size()))
     return dist.get_process_group_ranks(group)
+
+
+def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, what: str,
+                     group: Group = None) -> Pending:
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return Pending(_run(what, gather, output, tensor, group=group, async_op=True), what)
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
+                   group: Group = None) -> torch.Tensor:
+    """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`."""
+    work = _run(what, dist.reduce_scatter_tensor, output, tensor, group=group, async_op=True)
+    Pending(work, what).wait()
+    return output

@@ -36,6 +36,9 @@ class Join:
         self.world_size = comm.size_of(model.group)
         self.rank = comm.rank_of(model.group)
         self.active_ranks = list(range(self.world_size))  # as of the last handshake
+        if getattr(model, "zero", 0):
+            raise JoinError(f"rank {self.rank}: join() does not shadow ZeRO's reduce-scatters "
+                            "and gathers; give every rank the same number of batches")
         if any(isinstance(m, SyncBatchNorm) for m in model.module.modules()):
             raise JoinError(f"rank {self.rank}: join() cannot stand in for SyncBatchNorm's "
                             "own collectives in its forward and backward; give every rank the "

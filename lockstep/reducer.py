@@ -19,6 +19,7 @@ arrived (rank 0's order, broadcast), so buckets fill contiguously and launch ear
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd import Variable
@@ -34,6 +35,9 @@ from lockstep.buckets import (
     reverse_registration_order,
 )
 from lockstep.compress import Compression
+
+if TYPE_CHECKING:
+    from lockstep.zero import Sharding
 from lockstep.logs import get_logger
 
 log = get_logger(__name__)
@@ -47,11 +51,12 @@ class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it."""
 
     def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], label: str,
-                 algorithm: AllReduce) -> None:
+                 algorithm: AllReduce, padded_numel: int | None = None) -> None:
         self.spec = spec
         self.params = [params[i] for i in spec.param_indices]
         first = self.params[0]
-        self.flat = algorithm.allocate(spec.numel, first.dtype, first.device)
+        # ZeRO pads a bucket to a multiple of the world size, so it splits into equal shards.
+        self.flat = algorithm.allocate(padded_numel or spec.numel, first.dtype, first.device)
         self.views = [self.flat[offset:offset + p.numel()].view_as(p)
                       for offset, p in zip(spec.offsets, self.params, strict=True)]
         self.waiting = len(self.params)  # parameters not yet ready in this backward
@@ -70,7 +75,8 @@ class Reducer:
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
                  bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
                  group: comm.Group = None, algorithm: AllReduce | None = None,
-                 compression: Compression | None = None) -> None:
+                 compression: Compression | None = None,
+                 sharding: Sharding | None = None) -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
@@ -78,6 +84,7 @@ class Reducer:
         self.group = group
         self.algorithm = algorithm or Native(group)
         self.compression = compression
+        self.sharding = sharding  # ZeRO: a fixed plan of padded buckets, reduced its way
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
         self._raw_bytes = 0
         self.world_size = comm.size_of(group)
@@ -89,7 +96,9 @@ class Reducer:
         self._next_launch = 0
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))  # got a gradient since the last sync
-        self._arrivals: list[int] | None = []  # recorded during the first synced backward
+        # Recorded during the first synced backward, to rebuild the plan in arrival order --
+        # except under ZeRO, whose plan is also the layout of the sharded parameters.
+        self._arrivals: list[int] | None = [] if sharding is None else None
         self._learned_order: list[int] | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
                        for i, p in enumerate(self.params)]
@@ -100,9 +109,12 @@ class Reducer:
         """(Re)allocate buckets for `order`, carrying over any gradient already held."""
         self._free_buckets()
         slots = _slots(self.params)
-        specs = plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
+        specs = self.sharding.specs if self.sharding is not None else \
+            plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
+        padded = self.sharding.padded if self.sharding is not None else (lambda n: n)
         self.buckets = [Bucket(spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
-                               f"({spec.numel} x {spec.dtype})", self.algorithm)
+                               f"({spec.numel} x {spec.dtype})", self.algorithm,
+                               padded(spec.numel))
                         for k, spec in enumerate(specs)]
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
@@ -150,6 +162,8 @@ class Reducer:
     def _on_grad_ready(self, index: int) -> None:
         bucket, view = self._where[index]
         param = self.params[index]
+        if self.sharding is not None:
+            self.sharding.materialize(bucket)
         self._used[index] = 1
         if not self.sync_enabled:  # accumulate in the bucket slot, unscaled, until the sync
             _adopt(param, view, 1.0)
@@ -175,8 +189,12 @@ class Reducer:
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
             self._raw_bytes += bucket.flat.numel() * bucket.flat.element_size()
-            bucket.pending = self.compression.start(bucket) if self.compression else \
-                self.algorithm.start(bucket.flat, bucket.label)
+            if self.sharding is not None:
+                bucket.pending = self.sharding.start(bucket)
+            elif self.compression is not None:
+                bucket.pending = self.compression.start(bucket)
+            else:
+                bucket.pending = self.algorithm.start(bucket.flat, bucket.label)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -204,6 +222,8 @@ class Reducer:
         for index in unready:
             bucket, view = self._where[index]
             param = self.params[index]
+            if self.sharding is not None:
+                self.sharding.materialize(bucket)
             if param.grad is None:
                 view.zero_()
                 param.grad = view
@@ -219,6 +239,8 @@ class Reducer:
             bucket.pending.wait()
             bucket.pending = None
         self.algorithm.end_of_backward()
+        if self.sharding is not None:
+            self.sharding.after_backward(self.buckets)
         sent = self._raw_bytes
         if self.compression is not None:
             sent, self.compression.sent_bytes = self.compression.sent_bytes, 0

@@ -14,7 +14,7 @@ the module. Backward does the rest (see reducer.py).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep import zero as zero_mod
 from lockstep.algorithms import make_algorithm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB
 from lockstep.compress import make_compression
@@ -95,13 +96,19 @@ class DataParallel(nn.Module):
             the network between them). See algorithms.py.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
             or lockstep.TopK(ratio). See compress.py; `comm_stats()` reports the bytes.
+        zero: 0 (plain), 1 (shard optimizer state), 2 (and gradients) or 3 (and
+            parameters), with `make_optimizer`. See zero.py. From stage 2 on, gradients
+            live in the optimizer's shards, not in `.grad`.
+        zero_unit: for stage 3, which modules are gathered as one unit (default: every
+            module that owns parameters, i.e. each layer).
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float = 25.0, *, find_unused: bool = False,
                  broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
                  group: comm.Group = None, algorithm: str = "native",
-                 compress: Any = None) -> None:
+                 compress: Any = None, zero: int = 0,
+                 zero_unit: Callable[[nn.Module], bool] | None = None) -> None:
         super().__init__()
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
@@ -112,6 +119,12 @@ class DataParallel(nn.Module):
         verify_replicas_match(module, group)
         comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                "broadcast of rank 0's parameters and buffers", group)
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero must be 0, 1, 2 or 3; got {zero!r}")
+        if zero and (compress is not None or algorithm != "native"):
+            raise ValueError("ZeRO stages use their own reduce-scatter and all-gather; they "
+                             "take neither compress= nor an algorithm other than 'native'")
+        self.zero = zero
         self.algorithm = make_algorithm(algorithm, group, self.world.local_world_size)
         self.compression = make_compression(compress)
         if self.compression is not None:
@@ -121,13 +134,43 @@ class DataParallel(nn.Module):
             self.compression.bind(group)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
         self._find_unused = find_unused
+        if zero:
+            self._shard(zero_unit)
         self.reducer = self._new_reducer()
+        if zero >= 2:  # gradient buffers exist only while a bucket is being reduced
+            for bucket in self.reducer.buckets:
+                bucket.flat.untyped_storage().resize_(0)
         self._join: Any = None  # the active Join, when inside `join()`
+
+    def _shard(self, unit: Callable[[nn.Module], bool] | None) -> None:
+        """Lay the parameters out in flat groups (ZeRO) and, at stage 3, shard them."""
+        self.zero_groups = zero_mod.build_groups(self.module, self.zero, self.group,
+                                                 *self._bucket_bytes, unit)
+        self.sharding = zero_mod.Sharding(self.zero_groups, self.zero, self.group)
+        if self.zero == 3:
+            gatherer = zero_mod.Gatherer(self.module, self.zero_groups, self.group)
+            self.sharding.on_reduced = gatherer.reduced
+            self.sharding.on_step_end = gatherer.end_of_step
+            for g in self.zero_groups:
+                g.release()  # sharded at rest
 
     def _new_reducer(self) -> Reducer:
         self._trainable_mask = _requires_grad_mask(self.module)
+        if self.zero:
+            return Reducer(zero_mod.reducer_params(self.zero_groups), *self._bucket_bytes,
+                           self._find_unused, self.group, self.algorithm,
+                           sharding=self.sharding)
         return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
                        self.group, self.algorithm, self.compression)
+
+    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer],
+                       **kwargs: Any) -> Any:
+        """An optimizer for this model's ZeRO stage: the plain class over the parameters at
+        stage 0, its sharded form otherwise (same step/zero_grad/param_groups/state_dict)."""
+        if not self.zero:
+            return optimizer_class(self.parameters(), **kwargs)
+        return zero_mod.ZeroOptimizer(self.zero_groups, self.zero, self.group,
+                                      optimizer_class, **kwargs)
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
@@ -135,6 +178,9 @@ class DataParallel(nn.Module):
         at the same step; the rebuild checks that they did."""
         if _requires_grad_mask(self.module) == self._trainable_mask:
             return
+        if self.zero:
+            raise ValueError(f"rank {comm.rank_of(self.group)}: requires_grad changed after "
+                             "wrapping with zero>0; the sharded layout is fixed: wrap again")
         masks = comm.all_gather_object(_requires_grad_mask(self.module), "agreeing on which "
                                        "parameters are trainable after requires_grad changed",
                                        self.group)
