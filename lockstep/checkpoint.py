@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from lockstep import comm
+from lockstep import comm, reshard
 from lockstep.logs import get_logger
 
 log = get_logger(__name__)
@@ -187,6 +187,16 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(_PREFIX):]), reverse=True)
 
 
+def _tensors(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What DCP saves and loads. A DataParallel model (any ZeRO stage) uses the layout of
+    lockstep.reshard, which loads at any stage and world size; a plain module uses torch's
+    own state-dict helpers."""
+    if hasattr(model, "reducer"):
+        return reshard.state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], keep: int = 3,
          extra: dict[str, torch.Tensor] | None = None) -> Path:
@@ -202,8 +212,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
     if rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     comm.barrier(f"checkpoint: rank 0 creating {tmp}")
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state, "extra": dict(extra or {})},
+    dcp.save({**_tensors(model, optimizer), "extra": dict(extra or {})},
              storage_writer=FileSystemWriter(tmp, sync_files=True))
     _write_json(tmp / f"rng-rank{rank}.json", rng_state())
     if rank == 0:
@@ -270,9 +279,8 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if problem is not None:
         raise CheckpointError(f"rank {dist.get_rank()}: checkpoint {folder} is not valid: "
                               f"{problem}")
-    model_state, optim_state = get_state_dict(model, optimizer)
+    bundle = _tensors(model, optimizer)
     try:
-        bundle: dict[str, Any] = {"model": model_state, "optim": optim_state}
         if extra:
             bundle["extra"] = extra  # loaded in place
         dcp.load(bundle, storage_reader=SafeReader(folder))
@@ -280,7 +288,11 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         cause = next(iter(error.failures.values()))[0]
         raise CheckpointError(f"rank {dist.get_rank()}: cannot load checkpoint {folder}: "
                               f"{type(cause).__name__}: {cause}") from cause
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    if "model" in bundle:  # a plain module, through torch's own state-dict helpers
+        set_state_dict(model, optimizer, model_state_dict=bundle["model"],
+                       optim_state_dict=bundle["optim"])
+    else:
+        reshard.after_load(model, optimizer, bundle)
     rng_file = folder / f"rng-rank{dist.get_rank()}.json"
     if rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))

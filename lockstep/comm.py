@@ -190,6 +190,7 @@ def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, what: str,
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
                    group: Group = None) -> torch.Tensor:
     """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`."""
-    work = _run(what, dist.reduce_scatter_tensor, output, tensor, group=group, async_op=True)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # newer name
+    work = _run(what, scatter, output, tensor, group=group, async_op=True)
     Pending(work, what).wait()
     return output

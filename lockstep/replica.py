@@ -163,14 +163,16 @@ class DataParallel(nn.Module):
         return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
                        self.group, self.algorithm, self.compression)
 
-    def make_optimizer(self, optimizer_class: type[torch.optim.Optimizer],
-                       **kwargs: Any) -> Any:
-        """An optimizer for this model's ZeRO stage: the plain class over the parameters at
-        stage 0, its sharded form otherwise (same step/zero_grad/param_groups/state_dict)."""
+    def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:
+        """An optimizer for this model's ZeRO stage: `optimizer` is a torch.optim class
+        (with its keyword arguments) or a function of the parameters. Plain at stage 0; its
+        sharded form otherwise, with the same step/zero_grad/param_groups/state_dict."""
+        def make(params: Any) -> torch.optim.Optimizer:
+            return optimizer(params, **kwargs)
+
         if not self.zero:
-            return optimizer_class(self.parameters(), **kwargs)
-        return zero_mod.ZeroOptimizer(self.zero_groups, self.zero, self.group,
-                                      optimizer_class, **kwargs)
+            return make(self.parameters())
+        return zero_mod.ZeroOptimizer(self.zero_groups, self.zero, self.group, make)
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen

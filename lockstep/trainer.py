@@ -97,6 +97,8 @@ class TrainConfig:
     """DataParallel's reduction algorithm."""
     compress: Any = None
     """DataParallel's compression: None, "bf16", "fp16", PowerSGD(...) or TopK(...)."""
+    zero: int = 0
+    """ZeRO stage: 0, 1 (optimizer state sharded), 2 (and gradients), 3 (and weights)."""
     mode: str = "sync"
     """"sync" (gradients averaged every step), "local_sgd" (parameters averaged every
     `sync_every` steps) or "diloco" (an outer Nesterov step every `sync_every` steps)."""
@@ -201,7 +203,8 @@ class Trainer:
             raise ValueError(f"the training set ({len(train_set)} samples) is smaller than one "  # type: ignore[arg-type]
                              f"global batch ({self.config.global_batch_size})")
         self.model = self._wrap(model)
-        self.optimizer = optimizer(self.model.parameters())
+        self.optimizer = self.model.make_optimizer(optimizer) \
+            if isinstance(self.model, DataParallel) else optimizer(self.model.parameters())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         self.scaler = LossScaler(group=self.model.group) if self.config.precision == "fp16" \
             else None
@@ -225,7 +228,7 @@ class Trainer:
         if c.mode == "async":
             return LocalSGD(model, every=1)  # a replica; the parameter server keeps it current
         return DataParallel(model, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
-                            algorithm=c.algorithm, compress=c.compress)
+                            algorithm=c.algorithm, compress=c.compress, zero=c.zero)
 
     def _in_sync(self) -> bool:
         """Whether every replica holds the same model now (always, in sync mode)."""
@@ -326,8 +329,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients, before clipping
         if self.config.grad_clip_norm is not None:
-            # After backward every rank holds the same averaged gradients: same norm, same clip.
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+            if hasattr(self.optimizer, "clip_grad_norm_"):  # ZeRO: the norm over every shard
+                self.optimizer.clip_grad_norm_(self.config.grad_clip_norm)
+            else:  # every rank holds the same averaged gradients: same norm, same clip
+                nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skipped on every rank if any overflowed
         else:
@@ -488,6 +493,11 @@ class Trainer:
         return {**self.sampler.state_dict(), "epoch": self.state.epoch,
                 "position": self.state.step_in_epoch * self.plan.global_batch}
 
+    def _checkpointed(self) -> nn.Module:
+        """DataParallel checkpoints itself in a layout any ZeRO stage and world size can
+        load; the low-communication wrappers checkpoint their plain module."""
+        return self.model if isinstance(self.model, DataParallel) else self.model.module
+
     def _extra_tensors(self) -> dict[str, torch.Tensor]:
         """State a low-communication mode keeps besides model and optimizer (DiLoCo's
         outer optimizer)."""
@@ -510,7 +520,7 @@ class Trainer:
                  "scaler": self.scaler.state_dict() if self.scaler else None,
                  "config": self._config_record()}
         folder = checkpoint.save(self.run_dir / "checkpoints", self.state.global_step,
-                                 self.model.module, self.optimizer, state,
+                                 self._checkpointed(), self.optimizer, state,
                                  self.config.keep_checkpoints, self._extra_tensors())
         self._checkpoint_seconds += time.perf_counter() - started
         return folder
@@ -521,7 +531,7 @@ class Trainer:
         folder = self._checkpoint_to_resume()
         if folder is None:
             return
-        saved = checkpoint.load(folder, self.model.module, self.optimizer,
+        saved = checkpoint.load(folder, self._checkpointed(), self.optimizer,
                                 self._extra_tensors())
         self._check_resumable(folder, saved)
         self.state = TrainState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],

@@ -195,6 +195,7 @@ class Sharding:
         if self.stage == 1:
             for group, bucket in zip(self.groups, buckets, strict=True):
                 group.shard_grad = bucket.flat[group.shard]
+                group.shard_param.grad = group.shard_grad
         if self.on_step_end is not None:
             self.on_step_end()
 
@@ -333,13 +334,15 @@ class ZeroOptimizer:
     zero.sharded_state_dict for checkpoints that reshard)."""
 
     def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
-                 optimizer_class: type[torch.optim.Optimizer], **kwargs: Any) -> None:
-        if getattr(optimizer_class, "needs_whole_tensors", False):
-            raise ValueError(f"rank {comm.rank_of(group)}: {optimizer_class.__name__} needs "
+                 make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.groups, self.stage, self.group = groups, stage, group
+        self.inner = make([g.shard_param for g in groups])
+        if getattr(self.inner, "needs_whole_tensors", False):
+            raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
                              "each parameter whole (its trust ratio is a per-tensor norm); "
                              "use it with zero=0")
-        self.groups, self.stage, self.group = groups, stage, group
-        self.inner = optimizer_class([g.shard_param for g in groups], **kwargs)
+        for g in groups:  # what the optimizer (and a loss scaler) sees as the gradient
+            g.shard_param.grad = g.shard_grad
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -359,10 +362,6 @@ class ZeroOptimizer:
                 elif p.grad is not None:
                     p.grad.zero_()
 
-    def _attach_grads(self) -> None:
-        for g in self.groups:
-            g.shard_param.grad = g.shard_grad
-
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the norm over every rank's shards: the global gradient norm."""
@@ -378,7 +377,6 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
-        self._attach_grads()
         self.inner.step(closure)
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             for g in self.groups:

@@ -27,6 +27,12 @@ def world3() -> Iterator[World]:
         yield world
 
 
+@pytest.fixture(scope="session")
+def world4() -> Iterator[World]:
+    with World(4) as world:
+        yield world
+
+
 @pytest.fixture(params=[2, 3], ids=["world2", "world3"])
 def world(request: pytest.FixtureRequest) -> World:
     return request.getfixturevalue(f"world{request.param}")

@@ -70,12 +70,6 @@ def check_training() -> dict[str, tuple[float, str]]:
 
 
 @pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    with World(4) as world:
-        yield world
-
-
-@pytest.fixture(scope="module")
 def two_hosts() -> Iterator[World]:
     """4 ranks as 2 emulated hosts of 2: hierarchical's cross-host stage is exercised."""
     with World(4, env={"LOCAL_WORLD_SIZE": "2"}) as world:

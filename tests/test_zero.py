@@ -84,3 +84,107 @@ def check_needs_whole_tensors() -> str:
 def test_lamb_and_lars_are_refused_under_zero(world2: World) -> None:
     for rank, message in enumerate(world2.run(check_needs_whole_tensors)):
         assert f"rank {rank}: LAMB needs each parameter whole" in message
+
+
+def live_tensor_bytes() -> int:
+    """Every tensor storage alive in this process, each counted once."""
+    import gc
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def check_memory(stage: int) -> tuple[dict[str, int], int, int]:
+    """Model state after one AdamW step on a 10M-parameter model: by memory_report, and by
+    counting live storages (less those that existed before the model)."""
+    world = lockstep.init()
+    import gc
+
+    gc.collect()
+    before = live_tensor_bytes()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(1000, 1000) for _ in range(10)])
+    model = lockstep.DataParallel(net, zero=stage)
+    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(4, 1000)
+    model(x).square().mean().backward()
+    opt.step()
+    del x
+    gc.collect()
+    report = lockstep.memory_report(model, opt)
+    counted = live_tensor_bytes() - before
+    params = sum(p.numel() for p in net.parameters())
+    model.close()
+    return report, counted, params * world.world_size  # params x N: for the formula
+
+
+FORMULAS = {1: lambda n: 4 + 4 + 8 / n, 2: lambda n: 4 + 12 / n, 3: lambda n: 16 / n}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_model_state_memory_matches_the_zero_formulas(size: int, stage: int,
+                                                      request: pytest.FixtureRequest) -> None:
+    world = request.getfixturevalue(f"world{size}")
+    for report, counted, params_times_n in world.run(check_memory, stage):
+        expected = FORMULAS[stage](size) * params_times_n / size
+        assert sum(report.values()) == pytest.approx(expected, rel=0.05), report
+        assert counted == pytest.approx(expected, rel=0.05)
+
+
+def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bool,
+                         steps: int) -> list[torch.Tensor]:
+    """Train the transformer; save after `save_after` steps or start from the checkpoint;
+    return the parameters' fingerprint after each step that follows."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    model = lockstep.DataParallel(make_model("transformer"), bucket_mb=0.004,
+                                  first_bucket_mb=0.004, zero=stage)
+    opt = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
+    start = 0
+    if load:
+        folder = lockstep.checkpoint.latest_valid(root)
+        start = lockstep.checkpoint.load(folder, model, opt)["step"]
+    prints = []
+    for step in range(start, start + steps):
+        x, y = batch("transformer", step, 24)  # a global batch of 24 at any world size
+        share = 24 // n
+        opt.zero_grad()
+        loss_of("transformer", model, x[rank * share:(rank + 1) * share],
+                y[rank * share:(rank + 1) * share]).backward()
+        opt.step()
+        if save_after is not None and step + 1 == save_after:
+            lockstep.checkpoint.save(root, step + 1, model, opt, {})
+        if step + 1 > (save_after or start):
+            prints.append(_whole_parameters(model))
+    return prints
+
+
+def _whole_parameters(model: lockstep.DataParallel) -> torch.Tensor:
+    """The whole parameters, flattened (gathered first at stage 3)."""
+    for g in getattr(model, "zero_groups", []):
+        if model.zero == 3:
+            g.materialize()
+            lockstep.comm.all_gather_into(g.flat, g.shard_param.detach().clone(), "gather")
+    values = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()
+                        if p.requires_grad])
+    for g in getattr(model, "zero_groups", []):
+        if model.zero == 3:
+            g.release()
+    return values.clone()
+
+
+def test_a_stage3_checkpoint_from_3_ranks_continues_at_stage1_on_2(world2: World,
+                                                                   world3: World,
+                                                                   tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    original = world3.run(train_and_checkpoint, 3, root, 5, False, 8)[0]  # steps 6, 7, 8
+    for stage in (1, 0, 2):
+        moved = world2.run(train_and_checkpoint, stage, root, None, True, 3)[0]
+        for after, expected in zip(moved, original, strict=True):  # each of the 3 steps
+            gap = (after - expected).abs().max().item()
+            assert gap < 5e-5, f"stage 3 on 3 ranks -> stage {stage} on 2: {gap:.1e}"
