@@ -167,9 +167,13 @@ class Sharding:
         return padded(numel, self.world_size)
 
     def materialize(self, bucket: Any) -> None:
+        """Give a freed gradient bucket its memory back before a gradient lands in it. The
+        padding past its parameters must be zero: it is summed into the shards, where the
+        gradient norm (and the optimizer) would otherwise see whatever memory held."""
         storage = bucket.flat.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(bucket.flat.numel() * bucket.flat.element_size())
+            bucket.flat[bucket.spec.numel:].zero_()
 
     def start(self, bucket: Any) -> Any:
         index = self.buckets_index(bucket)

@@ -17,7 +17,8 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 3e-3, "weight_decay": 0.1}),
               "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})}
 
 
-def train_stage(kind: str, stage: int, optimizer: str, accumulate: int) -> tuple[float, str]:
+def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
+                clip: float | None = None) -> tuple[float, str]:
     world = lockstep.init()
     rank, n = world.rank, world.world_size
     net, reference = make_model(kind), make_model(kind)
@@ -31,9 +32,16 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int) -> tuple
         for i, (mx, my) in enumerate(zip(x[mine].chunk(accumulate), y[mine].chunk(accumulate))):
             with nullcontext() if i == accumulate - 1 else model.no_sync():
                 (loss_of(kind, model, mx, my) / accumulate).backward()
+        if clip is not None:
+            if stage:
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         ref_opt.zero_grad()
         loss_of(kind, reference, x, y).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
         ref_opt.step()
     gaps = []
     for g in getattr(model, "zero_groups", []):  # stage 3: gather to compare the parameters
@@ -52,6 +60,12 @@ def test_every_stage_trains_like_one_process(world: World, stage: int) -> None:
             worst = max(r[0] for r in results)
             assert worst < 5e-5, f"stage {stage} {optimizer} x{accumulate}: {worst:.2e}"
             assert len({r[1] for r in results}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_by_the_global_norm_is_exact_when_sharded(world3: World, stage: int) -> None:
+    results = world3.run(train_stage, "mlp", stage, "sgd", 1, 0.5)  # 0.5: it clips
+    assert max(r[0] for r in results) < 5e-5
 
 
 def test_shard_arithmetic_pads_for_any_world_size() -> None:
