@@ -85,6 +85,8 @@ def main() -> int:
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default="runs/bench/convergence")
+    p.add_argument("--reuse", action="store_true",
+                   help="report finished variants from their saved results instead of rerunning")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -95,6 +97,9 @@ def main() -> int:
         for variant in args.variants:
             out = (Path(args.out) / task / f"{variant}.json").resolve()
             out.parent.mkdir(parents=True, exist_ok=True)
+            if args.reuse and out.exists():
+                results[variant] = json.loads(out.read_text())
+                continue
             print(f"{task} / {variant} ...", flush=True)
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
                                   args=["--worker", task, variant, str(out)]))

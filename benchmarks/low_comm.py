@@ -1,0 +1,149 @@
+"""Training over a slow link: how long each mode takes to reach a target loss, and what it
+sends.
+
+On an emulated cluster of 2 hosts x 2 processes joined by a 100 Mbit/s link, the demo's
+CNN trains on real MNIST digits with the Trainer in each mode, one job after another:
+
+    sync fp32           gradients all-reduced every step
+    sync + PowerSGD-4   the same, rank-4 compressed
+    local SGD (H=10)    parameters averaged every 10 steps
+    DiLoCo (H=50)       an outer Nesterov step on the averaged pseudo-gradient every 50
+    async (bound 4)     a parameter server on rank 0, 3 workers
+
+For each: wall-clock seconds until the training loss (averaged over 5 steps and all ranks)
+first reaches the target, and bytes each rank sends per step. Prints a table and the
+issue's ratios, and writes low_comm.png (loss against time). Needs root.
+
+    python benchmarks/low_comm.py [--bandwidth 100mbit] [--target 0.35] [--epochs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lockstep
+from lockstep.cluster import Cluster, cluster_available
+from lockstep.data import mnist
+from lockstep.models import small_cnn
+from lockstep.runlog import read_metrics
+
+MODES: dict[str, dict[str, Any]] = {
+    "sync fp32": {},
+    "sync + PowerSGD-4": {"compress": "powersgd"},
+    "local SGD (H=10)": {"mode": "local_sgd", "sync_every": 10},
+    "DiLoCo (H=50)": {"mode": "diloco", "sync_every": 50},
+    "async (bound 4)": {"mode": "async", "max_staleness": 4},
+}
+
+
+def worker(mode: str, epochs: int, out: Path) -> None:
+    world = lockstep.init()
+    train, test = mnist()
+    settings = dict(MODES[mode])
+    if settings.get("compress") == "powersgd":
+        settings["compress"] = lockstep.PowerSGD(rank=4, warmup_steps=10)
+    torch.manual_seed(0)
+    config = lockstep.TrainConfig(global_batch_size=64, epochs=epochs, lr=2e-3,
+                                  run_dir=str(out.parent / out.stem), resume="never",
+                                  progress=False, log_every_steps=5, **settings)
+    trainer = lockstep.Trainer(small_cnn(), lambda p: torch.optim.Adam(p), train, test,
+                               config=config)
+    started = time.time()
+    summary = trainer.fit()
+    if world.is_main:
+        out.write_text(json.dumps({"started": started, "summary": summary}))
+
+
+def time_to_target(run_dir: Path, started: float, target: float) -> tuple[float, list, list]:
+    records = [r for r in read_metrics(run_dir) if r["kind"] == "train"]
+    times = [r["time"] - started for r in records]
+    losses = [r["loss"] for r in records]
+    reached = next((t for t, loss in zip(times, losses, strict=True) if loss <= target),
+                   float("inf"))
+    return reached, times, losses
+
+
+def bytes_per_step(run_dir: Path) -> float:
+    sent = [r.get("bytes_sent") for r in read_metrics(run_dir) if r["kind"] == "train"]
+    sent = [s for s in sent if s]
+    return sum(sent) / len(sent) if sent else 0.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bandwidth", default="100mbit")
+    p.add_argument("--target", type=float, default=0.35, help="training loss to reach")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--out", default="runs/bench/low_comm")
+    p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args.worker[0], args.epochs, Path(args.worker[1]))
+        return 0
+    reason = cluster_available()
+    if reason is not None:
+        print(f"benchmarks/low_comm.py needs an emulated cluster: {reason}")
+        return 1
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {}
+    for mode in args.modes:
+        result = out / f"{mode.split()[0].replace('+', '')}-{len(rows)}.json"
+        print(f"{mode} ...", flush=True)
+        with Cluster(hosts=2, bandwidth=args.bandwidth) as cluster:
+            done = cluster.run_job(2, os.path.abspath(__file__),
+                                   ["--worker", mode, str(result), "--epochs", str(args.epochs)],
+                                   port=29430)
+        if any(d.returncode for d in done):
+            print(done[0].stderr[-2000:], done[1].stderr[-2000:], file=sys.stderr)
+            continue
+        saved = json.loads(result.read_text())
+        run_dir = result.parent / result.stem
+        reached, times, losses = time_to_target(run_dir, saved["started"], args.target)
+        rows[mode] = {"seconds": reached, "bytes": bytes_per_step(run_dir),
+                      "accuracy": saved["summary"]["test_accuracy"], "times": times,
+                      "losses": losses}
+    report(rows, args.target, args.bandwidth, out)
+    return 0
+
+
+def report(rows: dict[str, dict[str, Any]], target: float, bandwidth: str, out: Path) -> None:
+    print(f"\n2 hosts x 2 processes at {bandwidth}; time to training loss {target}")
+    print(f"{'mode':20s} {'to target':>10s} {'KB sent/step':>13s} {'test acc':>9s}")
+    for mode, r in rows.items():
+        print(f"{mode:20s} {r['seconds']:9.1f}s {r['bytes'] / 1e3:13.1f} {r['accuracy']:9.4f}")
+    if "sync fp32" in rows and "DiLoCo (H=50)" in rows:
+        base, diloco = rows["sync fp32"], rows["DiLoCo (H=50)"]
+        print(f"DiLoCo vs sync fp32: {base['seconds'] / diloco['seconds']:.1f}x faster to the "
+              f"target (target >= 5x), {base['bytes'] / max(diloco['bytes'], 1):.0f}x fewer "
+              "bytes per step (target >= 50x)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for mode, r in rows.items():
+        ax.plot(r["times"], r["losses"], label=mode, lw=1)
+    ax.axhline(target, color="grey", ls="--", lw=0.8)
+    ax.set(xlabel="seconds", ylabel="training loss", yscale="log",
+           title=f"2 hosts x 2 processes, {bandwidth} link")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "low_comm.png", dpi=100)
+    print(f"plot: {out / 'low_comm.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
