@@ -28,8 +28,13 @@ test: lint
 demo: $(READY)
 	$(VENV)/bin/lockstep demo
 
+# Each prints ratios measured side by side in one run; the cluster ones need root.
 bench: $(READY)
 	$(PY) benchmarks/vs_ddp.py
+	$(PY) benchmarks/zero.py
+	$(PY) benchmarks/allreduce.py
+	$(PY) benchmarks/compression.py
+	$(PY) benchmarks/low_comm.py
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
