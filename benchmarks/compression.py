@@ -23,23 +23,22 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep import comm
+from lockstep.bench import time_modes
 from lockstep.cluster import Cluster, cluster_available
 from lockstep.data import kjv_chars
 from lockstep.models import CharGPT
@@ -82,11 +81,12 @@ def ddp_modes(base: torch.nn.Module) -> tuple[dict[str, torch.nn.Module], dict[s
 
 
 def make_step(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]
-              ) -> Callable[[int], None]:
+              ) -> Callable[[], None]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    turn = itertools.count()
 
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
+    def step() -> None:
+        x, y = batches[next(turn) % len(batches)]
         optimizer.zero_grad()
         logits = model(x)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
@@ -119,22 +119,12 @@ def worker(bandwidth: str, rounds: int, steps: int, out: Path) -> None:
     failures: dict[str, str] = dict(refused)
     for name, step in list(steps_by_mode.items()):  # warm up; drop what the backend refuses
         try:
-            for i in range(WARMUP):
-                step(i)
+            for _ in range(WARMUP):
+                step()
         except Exception as error:
             failures[name] = str(error).strip().splitlines()[0][:160]
             del steps_by_mode[name]
-    times: dict[str, list[float]] = {name: [] for name in steps_by_mode}
-    order = list(steps_by_mode)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else list(reversed(order)):
-            comm.barrier("bench: start together")
-            started = time.perf_counter()
-            for i in range(steps):
-                steps_by_mode[name](i)
-            elapsed = torch.tensor([(time.perf_counter() - started) / steps])
-            comm.all_reduce(elapsed, "bench: slowest rank", op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
+    times = time_modes(steps_by_mode, rounds, steps)
     if world.is_main:
         out.write_text(json.dumps({
             "bandwidth": bandwidth, "failures": failures,

@@ -21,7 +21,6 @@ import gc
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -33,7 +32,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep import comm
+from lockstep.bench import time_modes
 from lockstep.launch import LaunchSpec, run
 
 WIDTH, LAYERS, BATCH = 1024, 8, 32
@@ -117,17 +116,7 @@ def worker(rounds: int, steps: int) -> None:
         state_bytes[name] = live_bytes() - before
         peaks[name] = peak_extra_bytes(step)
         made[name] = step
-    times: dict[str, list[float]] = {name: [] for name in made}
-    order = list(made)
-    for r in range(rounds):
-        for name in order if r % 2 == 0 else list(reversed(order)):
-            comm.barrier("bench: start together")
-            started = time.perf_counter()
-            for _ in range(steps):
-                made[name]()
-            elapsed = torch.tensor([(time.perf_counter() - started) / steps])
-            comm.all_reduce(elapsed, "bench: slowest rank", op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
+    times = time_modes(made, rounds, steps)
     if world.is_main:
         report(times, state_bytes, peaks)
 

@@ -334,7 +334,27 @@ class _Done:
         """Already complete."""
 
 
-class SharedMemory(AllReduce):
+class _OnHost:
+    """What shm and hierarchical share: buckets in host memory, each rank's share of the
+    work on its slice (see HostSlices)."""
+
+    host: HostSlices
+
+    def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
+               flat: torch.Tensor) -> None:
+        self.host.absorb(grad, view, scale, flat)
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.host.allocate(numel, dtype, device)
+
+    def free(self, flat: torch.Tensor) -> None:
+        self.host.free(flat)
+
+    def end_of_backward(self) -> None:
+        self.host.end_of_backward()
+
+
+class SharedMemory(_OnHost, AllReduce):
     """Ranks on one host sum through shared bucket memory (see HostSlices).
 
     It runs on the backward thread as each bucket fills -- memory-bound work, so a second
@@ -346,26 +366,13 @@ class SharedMemory(AllReduce):
     def __init__(self, topology: Topology, timeout_s: float) -> None:
         self.host = HostSlices(topology, timeout_s)
 
-    def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
-               flat: torch.Tensor) -> None:
-        self.host.absorb(grad, view, scale, flat)
-
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.host.allocate(numel, dtype, device)
-
-    def free(self, flat: torch.Tensor) -> None:
-        self.host.free(flat)
-
     def start(self, flat: torch.Tensor, label: str) -> Handle:
         total, mine = self.host.sum_my_slice(flat, label)
         self.host.publish(flat, total, mine)
         return _Done()
 
-    def end_of_backward(self) -> None:
-        self.host.end_of_backward()
 
-
-class Hierarchical(Threaded):
+class Hierarchical(_OnHost, Threaded):
     """shm's slices inside each host; between hosts, each slice is all-reduced among the
     ranks holding it -- network time, so this runs on a thread and overlaps backward."""
 
@@ -375,25 +382,12 @@ class Hierarchical(Threaded):
         self.host = HostSlices(topology, timeout_s)
         super().__init__()
 
-    def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
-               flat: torch.Tensor) -> None:
-        self.host.absorb(grad, view, scale, flat)
-
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.host.allocate(numel, dtype, device)
-
-    def free(self, flat: torch.Tensor) -> None:
-        self.host.free(flat)
-
     def reduce(self, flat: torch.Tensor, label: str) -> None:
         total, mine = self.host.sum_my_slice(flat, label)
         if self.host.topology.hosts > 1:
             comm.all_reduce(total, f"cross-host all-reduce of a slice of {label}",
                             self.host.topology.cross_group)
         self.host.publish(flat, total, mine)
-
-    def end_of_backward(self) -> None:
-        self.host.end_of_backward()
 
 
 def make_algorithm(name: str, group: comm.Group, local_world_size: int) -> AllReduce:

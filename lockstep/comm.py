@@ -116,9 +116,7 @@ def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, what: str,
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, what: str,
                     group: Group = None) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 into `output`, in rank order."""
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # newer name
-    work = _run(what, gather, output, tensor, group=group, async_op=True)
-    Pending(work, what).wait()
+    all_gather_async(output, tensor, what, group).wait()
     return output
 
 
@@ -183,7 +181,7 @@ def group_ranks(group: Group = None) -> list[int]:
 
 def all_gather_async(output: torch.Tensor, tensor: torch.Tensor, what: str,
                      group: Group = None) -> Pending:
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # newer name
     return Pending(_run(what, gather, output, tensor, group=group, async_op=True), what)
 
 
