@@ -119,6 +119,8 @@ def worker(rounds: int, steps: int) -> None:
     times = time_modes(made, rounds, steps)
     if world.is_main:
         report(times, state_bytes, peaks)
+    del made  # FSDP2's and ZeroRedundancyOptimizer's state before the group goes
+    world.shutdown()
 
 
 def report(times: dict[str, list[float]], state: dict[str, int], peaks: dict[str, int]) -> None:

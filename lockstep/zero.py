@@ -78,6 +78,13 @@ class FlatGroup:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
+    def start_gather(self, what: str, process_group: comm.Group) -> comm.Pending:
+        """Bring the full buffer back and start filling it from every rank's shard. The
+        own shard is copied in first, so a gather left in flight never sees it stepped."""
+        self.materialize()
+        self.flat[self.shard].copy_(self.shard_param.detach())
+        return comm.gather_shards_async(self.flat, what, process_group)
+
     def release(self) -> None:
         """Shrink the full buffer to nothing; the parameters stay views of it."""
         self.flat.untyped_storage().resize_(0)
@@ -284,18 +291,14 @@ class Gatherer:
             group.pending.wait()
             group.pending = None
         elif not group.gathered:
-            group.materialize()
-            comm.all_gather_into(group.flat, group.shard_param.detach().clone(),
-                                 f"gather of parameter unit {u}", self.group)
+            group.start_gather(f"gather of parameter unit {u}", self.group).wait()
         group.gathered = True
 
     def _prefetch(self, u: int) -> None:
         group = self.groups[u]
         if group.gathered or group.pending is not None:
             return
-        group.materialize()
-        group.pending = comm.all_gather_async(group.flat, group.shard_param.detach().clone(),
-                                              f"prefetch of parameter unit {u}", self.group)
+        group.pending = group.start_gather(f"prefetch of parameter unit {u}", self.group)
 
     def reduced(self, u: int) -> None:
         """Unit u's gradients are reduce-scattered: its parameters can go."""
@@ -383,9 +386,12 @@ class ZeroOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> None:
         self.inner.step(closure)
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
-            for g in self.groups:
-                comm.all_gather_into(g.flat, g.shard_param.detach().clone(),
-                                     f"all-gather of parameter group {g.index}", self.group)
+            # The shard is this rank's slice of `flat` already. All launched, then waited,
+            # so the backend may run them side by side.
+            gathers = [comm.gather_shards_async(g.flat, f"all-gather of parameter group "
+                                                f"{g.index}", self.group) for g in self.groups]
+            for work in gathers:
+                work.wait()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
