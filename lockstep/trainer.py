@@ -403,24 +403,24 @@ class Trainer:
         sampler = ShardedSampler(self.train_set, shuffle=True, seed=c.seed,  # type: ignore[arg-type]
                                  rank=world.rank - 1, world_size=world.world_size - 1)
         batches = self._epochs_of_micro_batches(sampler)
-        trained, window = 0, time.perf_counter()
+        trained, pushes, window, window_loss = 0, 0, time.perf_counter(), 0.0
         # Synchronous rounds (bound 0): exactly total_steps each. Otherwise: until told.
         rounds = self.total_steps if c.max_staleness == 0 else None
         while (rounds is None or worker.step < rounds) and worker.pull():
             module.zero_grad(set_to_none=True)
-            loss = 0.0
             for _ in range(self.plan.accumulation):
                 x, y = next(batches)
                 part = self.loss_fn(module(x), y) / self.plan.accumulation
                 part.backward()
-                loss += part.item()
+                window_loss += part.item()
             worker.push()
-            trained += self.plan.per_rank
-            if worker.step % c.log_every_steps == 0:
+            trained, pushes = trained + self.plan.per_rank, pushes + 1
+            if pushes % c.log_every_steps == 0:  # this worker's own steps: a steady window
                 speed = c.log_every_steps * self.plan.per_rank / (time.perf_counter() - window)
-                window = time.perf_counter()
+                loss = window_loss / c.log_every_steps  # the window's mean, as sync logs
+                window, window_loss = time.perf_counter(), 0.0
                 runlog.record("train", worker.step, loss=loss, samples_per_s=speed,
-                              bytes_sent=worker.bytes_sent / worker.step)
+                              bytes_sent=worker.bytes_sent / pushes)
                 runlog.progress(c.log_every_steps, loss=f"{loss:.4f}")
         worker.finish()
         return trained
