@@ -15,7 +15,7 @@ compose.
   for good (Vogels et al. 2019). Vectors and small matrices travel uncompressed, and the
   first `warmup_steps` steps are sent whole while the warm-started Q settles.
 - TopK(ratio): each rank sends only its largest `ratio` of entries (values and indices,
-  all-gathered) and keeps the rest as error feedback.
+  all-gathered) and keeps the rest as error feedback; it too takes `warmup_steps`.
 
 Each compressor counts the bytes it sends per step; DataParallel.comm_stats() reports them
 next to what an uncompressed reduction would have sent.
@@ -38,6 +38,8 @@ class Compression:
     """Base class: reduces one bucket at a time on its own thread and group."""
 
     name = "?"
+    warmup_steps = 0  # synchronised steps sent uncompressed before compression starts
+    step = 0          # synchronised steps so far
 
     def bind(self, group: comm.Group) -> None:
         """Attach to the job. Collective: creates a process group on every rank."""
@@ -50,10 +52,17 @@ class Compression:
         return self._worker.submit(self.reduce_bucket, bucket)
 
     def reduce_bucket(self, bucket: Bucket) -> None:
+        if self.step < self.warmup_steps:
+            self._all_reduce(bucket.flat, f"{self.name} warm-up all-reduce of {bucket.label}")
+        else:
+            self.compress_bucket(bucket)
+
+    def compress_bucket(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
     def end_of_step(self) -> None:
         """Called after every synchronised backward."""
+        self.step += 1
 
     def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
         comm.all_reduce(tensor, what, self.group)
@@ -70,7 +79,7 @@ class Cast(Compression):
             raise ValueError(f"cast compression is 'bf16' or 'fp16', not {dtype!r}")
         self.name, self.dtype = dtype, dtypes[dtype]
 
-    def reduce_bucket(self, bucket: Bucket) -> None:
+    def compress_bucket(self, bucket: Bucket) -> None:
         narrow = bucket.flat.to(self.dtype)
         self._all_reduce(narrow, f"{self.name} all-reduce of {bucket.label}")
         bucket.flat.copy_(narrow)
@@ -94,7 +103,6 @@ class PowerSGD(Compression):
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
         self.rank, self.warmup_steps = rank, warmup_steps
         self.min_compression, self.seed = min_compression, seed
-        self.step = 0
         self._errors: dict[int, torch.Tensor] = {}  # per parameter: what was not sent yet
         self._qs: dict[int, torch.Tensor] = {}      # per parameter: last step's Q
 
@@ -104,11 +112,8 @@ class PowerSGD(Compression):
         rows, cols = view.shape[0], view.numel() // view.shape[0]
         return rows * cols >= self.min_compression * self.rank * (rows + cols)
 
-    def reduce_bucket(self, bucket: Bucket) -> None:
+    def compress_bucket(self, bucket: Bucket) -> None:
         label = bucket.label
-        if self.step < self.warmup_steps:
-            self._all_reduce(bucket.flat, f"PowerSGD warm-up all-reduce of {label}")
-            return
         pairs = list(zip(bucket.params, bucket.views, strict=True))
         matrices = [(id(p), v.view(v.shape[0], -1)) for p, v in pairs if self._compressible(v)]
         vectors = [v for p, v in pairs if not self._compressible(v)]
@@ -158,22 +163,24 @@ class PowerSGD(Compression):
                                        zip(flat.split([t.numel() for t in tensors]), tensors,
                                            strict=True)])
 
-    def end_of_step(self) -> None:
-        self.step += 1
-
 
 class TopK(Compression):
-    """Send the largest `ratio` of each bucket's entries; keep the rest as error feedback."""
+    """Send the largest `ratio` of each bucket's entries; keep the rest as error feedback.
+
+    Args:
+        ratio: the fraction of entries each rank sends.
+        warmup_steps: steps sent uncompressed first (the early, fast-changing gradients).
+    """
 
     name = "topk"
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.01, warmup_steps: int = 0) -> None:
         if not 0 < ratio <= 1:
             raise ValueError(f"TopK ratio must be in (0, 1], got {ratio}")
-        self.ratio = ratio
+        self.ratio, self.warmup_steps = ratio, warmup_steps
         self._errors: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def reduce_bucket(self, bucket: Bucket) -> None:
+    def compress_bucket(self, bucket: Bucket) -> None:
         flat, key = bucket.flat, bucket.spec.param_indices
         if key in self._errors:
             flat.add_(self._errors[key])

@@ -97,6 +97,8 @@ def test_powersgd_and_topk_send_less_and_approximate(world2: World) -> None:
     assert ratio > 5
     worst, _, ratio = world2.run(check_compression, lockstep.TopK(0.05))[0]
     assert 0 < worst < 1.5 and 9.5 < ratio < 10.5  # 5% of the entries, values + int32 indices
+    worst, best, _ = world2.run(check_compression, lockstep.TopK(0.05, warmup_steps=1))[0]
+    assert best < 1e-6 < worst
 
 
 def check_powersgd_error_feedback_is_lossless_in_sum() -> float:
