@@ -2,12 +2,11 @@
 
 Each variant is a full Trainer run with 2 workers, on the demo task (the small CNN on real
 MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text), seeing the same number of
-samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, TopK 1% and 10%, each
-sent whole through the learning-rate warm-up), and the
-low-communication modes (local SGD every 10 steps, DiLoCo every 50, an asynchronous
-parameter server with staleness bound 4 -- which runs 3 ranks: a server and 2 workers),
-against synchronous fp32. Prints test accuracy and final test loss side by side, with the
-gap to the baseline.
+samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4 and 16, TopK 1% and
+10%, each sent whole through the learning-rate warm-up), and the low-communication modes
+(local SGD every 10 steps, DiLoCo every 50, an asynchronous parameter server with staleness
+bound 4 -- which runs 3 ranks: a server and 2 workers), against synchronous fp32. Prints
+test accuracy and final test loss side by side, with the gap to the baseline.
 
     python benchmarks/convergence.py                       # everything (~45 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
@@ -35,10 +34,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp16": {"precision": "fp16"},
     # Compressors send whole through the learning-rate warm-up (their argument).
     "PowerSGD-4": {"compress": lambda warmup: lockstep.PowerSGD(rank=4, warmup_steps=warmup)},
+    "PowerSGD-16": {"compress": lambda warmup: lockstep.PowerSGD(rank=16, warmup_steps=warmup)},
     "TopK-1%": {"compress": lambda warmup: lockstep.TopK(0.01, warmup_steps=warmup)},
     "TopK-10%": {"compress": lambda warmup: lockstep.TopK(0.1, warmup_steps=warmup)},
     "LocalSGD-10": {"mode": "local_sgd", "sync_every": 10},
     "DiLoCo-50": {"mode": "diloco", "sync_every": 50},
+    "DiLoCo-10": {"mode": "diloco", "sync_every": 10},
     "async-4": {"mode": "async", "max_staleness": 4},
 }
 RANKS = {"async-4": 3}  # a parameter server and 2 workers
