@@ -3,7 +3,7 @@
 On an emulated cluster of 2 hosts, one process each, at 100 Mbit/s and at 1 Gbit/s, the same
 char-GPT (lockstep.models.CharGPT) trains on the same KJV batches with:
 
-    lockstep: none, bf16, PowerSGD(rank 4), TopK(1%)
+    lockstep: none, bf16, fp16, PowerSGD(rank 4), TopK(1%)
     torch DDP: no hook, fp16_compress_hook, bf16_compress_hook, powerSGD_hook(rank 4)
 
 torch's powerSGD_hook issues each bucket's Q all-reduce from a future callback, racing the
@@ -50,6 +50,7 @@ def lockstep_modes(base: torch.nn.Module) -> dict[str, torch.nn.Module]:
     return {
         "lockstep none": lockstep.DataParallel(copy.deepcopy(base)),
         "lockstep bf16": lockstep.DataParallel(copy.deepcopy(base), compress="bf16"),
+        "lockstep fp16": lockstep.DataParallel(copy.deepcopy(base), compress="fp16"),
         "lockstep PowerSGD-4": lockstep.DataParallel(  # one bucket, like DDP's below
             copy.deepcopy(base), bucket_mb=100, first_bucket_mb=100,
             compress=lockstep.PowerSGD(rank=4, warmup_steps=2)),

@@ -79,10 +79,23 @@ class Cast(Compression):
             raise ValueError(f"cast compression is 'bf16' or 'fp16', not {dtype!r}")
         self.name, self.dtype = dtype, dtypes[dtype]
 
-    def compress_bucket(self, bucket: Bucket) -> None:
+    def start(self, bucket: Bucket) -> Handle:
+        """No thread: the cast is cheap, so the narrow all-reduce starts at once on the
+        backward thread, and several buckets can be on the wire together (in order)."""
         narrow = bucket.flat.to(self.dtype)
-        self._all_reduce(narrow, f"{self.name} all-reduce of {bucket.label}")
-        bucket.flat.copy_(narrow)
+        pending = comm.all_reduce_async(narrow, f"{self.name} all-reduce of {bucket.label}",
+                                        self.group)
+        self.sent_bytes += narrow.numel() * narrow.element_size()
+        return _WidenWhenDone(pending, narrow, bucket.flat)
+
+
+class _WidenWhenDone:
+    def __init__(self, pending: comm.Pending, narrow: torch.Tensor, flat: torch.Tensor) -> None:
+        self.pending, self.narrow, self.flat = pending, narrow, flat
+
+    def wait(self) -> None:
+        self.pending.wait()
+        self.flat.copy_(self.narrow)
 
 
 class PowerSGD(Compression):
