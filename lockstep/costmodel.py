@@ -1,8 +1,12 @@
 """The alpha-beta cost model: how long an all-reduce should take, before running it.
 
 A message of S bytes over a link costs alpha + S * beta (alpha: latency, beta: seconds per
-byte); summing S bytes into a buffer costs S * gamma. `probe` measures alpha and beta
-between two ranks and gamma locally; `predict` turns them into a time per algorithm:
+byte); summing S bytes into a buffer costs S * gamma. beta is measured with both directions
+of the link busy, as in a ring; a message sent while the way back is idle, as in a tree,
+costs beta_one_way per byte instead. On a full-duplex network link the two are equal; on
+loopback the "link" is the CPU copying bytes, which one direction alone gets to itself.
+`probe` measures alpha and both betas between two ranks and gamma locally; `predict` turns
+them into a time per algorithm:
 
     ring (and native, which is a ring):  2(N-1) alpha + 2(N-1)/N S beta + (N-1)/N S gamma
     tree:         the critical path of reduce-up then broadcast-down a binary tree, each
@@ -37,9 +41,12 @@ class LinkCost:
     """Seconds per byte sent."""
     gamma: float
     """Seconds per byte summed (a += b) in memory."""
+    beta_one_way: float
+    """Seconds per byte sent while nothing comes back the other way."""
 
     def message(self, nbytes: float) -> float:
-        return self.alpha + nbytes * self.beta
+        """One message, the reverse direction idle (a tree's edges)."""
+        return self.alpha + nbytes * self.beta_one_way
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
@@ -120,25 +127,42 @@ def _timed(fn: object, repeats: int) -> float:
     return statistics.median(times)
 
 
-def probe(a: int, b: int, large_bytes: int = 4 << 20, repeats: int = 5) -> LinkCost:
-    """Measure the link between ranks `a` and `b` with the transport the algorithms use: an
-    all-reduce between just the two of them -- a tiny one gives alpha, a large one beta
-    (for two ranks, t = 2 alpha + S beta + S/2 gamma). Collective: every rank calls it and
-    gets the same LinkCost."""
+def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkCost:
+    """Measure the link between ranks `a` and `b` with the transports the algorithms use:
+    an all-reduce between just the two of them -- a tiny one gives alpha; beta is the slope
+    between a large one and one a quarter its size (for two ranks, t = 2 alpha + S beta +
+    S/2 gamma, plus per-message costs the slope cancels) -- and a large message from a to b
+    answered by a tiny one (t = 2 alpha + S beta_one_way). Collective: every rank calls it
+    and gets the same LinkCost."""
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
     gamma = summing_cost()
-    result = torch.zeros(3, dtype=torch.float64)
-    if comm.rank_of() in (a, b):
+    result = torch.zeros(4, dtype=torch.float64)
+    me = comm.rank_of()
+    if me in (a, b):
         tiny, large = torch.zeros(1), torch.zeros(large_bytes // 4)
+        quarter = large[: large.numel() // 4]
+        peer = b if me == a else a
 
         def reduce(t: torch.Tensor) -> None:
             comm.all_reduce(t, "cost probe", pair)
 
-        reduce(large)  # warm the connection and the buffers
+        def one_way() -> None:
+            if me == a:
+                comm.send(large, peer, "cost probe: one-way message", pair)
+                comm.recv(tiny, peer, "cost probe: its answer", pair)
+            else:
+                comm.recv(large, peer, "cost probe: one-way message", pair)
+                comm.send(tiny, peer, "cost probe: its answer", pair)
+
+        for _ in range(3):  # warm the connections, the buffers and the TCP windows
+            reduce(large)
+            one_way()
         alpha = _timed(lambda: reduce(tiny), repeats * 4) / 2
-        large_time = _timed(lambda: reduce(large), repeats)
-        beta = max(large_time - 2 * alpha - large_bytes / 2 * gamma, 1e-12) / large_bytes
-        result[:] = torch.tensor([alpha, beta, gamma])
+        slope = (_timed(lambda: reduce(large), repeats) -
+                 _timed(lambda: reduce(quarter), repeats)) / (large_bytes * 3 / 4)
+        beta = max(slope - gamma / 2, 1e-15)
+        beta_one_way = max(_timed(one_way, repeats) - 2 * alpha, 1e-12) / large_bytes
+        result[:] = torch.tensor([alpha, beta, gamma, beta_one_way])
     comm.broadcast(result, a, "cost probe result")
     return LinkCost(*result.tolist())
 
@@ -150,6 +174,8 @@ def summing_cost(nbytes: int = 64 << 20) -> float:
 
 
 def describe(link: LinkCost) -> str:
-    gbit = 8 / link.beta / 1e9 if link.beta > 0 else math.inf
-    return (f"alpha {link.alpha * 1e6:.0f} us, beta {gbit:.2f} Gbit/s, "
-            f"sum {1 / link.gamma / 1e9:.1f} GB/s")
+    def gbit(beta: float) -> float:
+        return 8 / beta / 1e9 if beta > 0 else math.inf
+
+    return (f"alpha {link.alpha * 1e6:.0f} us, beta {gbit(link.beta):.2f} Gbit/s "
+            f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s")
