@@ -40,6 +40,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "LocalSGD-10": {"mode": "local_sgd", "sync_every": 10},
     "DiLoCo-50": {"mode": "diloco", "sync_every": 50},
     "DiLoCo-10": {"mode": "diloco", "sync_every": 10},
+    # Outer lr 1 without momentum: plain averaging of the inner runs (local SGD with Adam).
+    "DiLoCo-50-avg": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0},
     "async-4": {"mode": "async", "max_staleness": 4},
 }
 RANKS = {"async-4": 3}  # a parameter server and 2 workers
@@ -117,12 +119,12 @@ def main() -> int:
 def report(task: str, results: dict[str, dict[str, Any]]) -> None:
     base = results.get("fp32")
     print(f"\n{task}: 2 workers; gaps against fp32 uncompressed")
-    print(f"{'variant':12s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
+    print(f"{'variant':14s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
           f"{'MB/step':>8s}")
     for name, r in results.items():
         acc_gap = f"{r['test_accuracy'] - base['test_accuracy']:+.4f}" if base else ""
         loss_gap = f"{r['test_loss'] / base['test_loss'] - 1:+.1%}" if base else ""
-        print(f"{name:12s} {r['test_accuracy']:9.4f} {acc_gap:>7s} {r['test_loss']:10.4f} "
+        print(f"{name:14s} {r['test_accuracy']:9.4f} {acc_gap:>7s} {r['test_loss']:10.4f} "
               f"{loss_gap:>7s} {r['bytes_per_step'] / 1e6:8.3f}")
 
 
