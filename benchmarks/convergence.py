@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,7 @@ def main() -> int:
                 results[variant] = json.loads(out.read_text())
                 continue
             print(f"{task} / {variant} ...", flush=True)
+            shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
                                   args=["--worker", task, variant, str(out)]))
             if code == 0:
