@@ -43,6 +43,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "DiLoCo-10": {"mode": "diloco", "sync_every": 10},
     # Outer lr 1 without momentum: plain averaging of the inner runs (local SGD with Adam).
     "DiLoCo-50-avg": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0},
+    "DiLoCo-50-m.5": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.5},
     "async-4": {"mode": "async", "max_staleness": 4},
 }
 RANKS = {"async-4": 3}  # a parameter server and 2 workers
