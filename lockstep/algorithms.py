@@ -146,27 +146,35 @@ class Threaded(AllReduce):
         self._worker.close()
 
 
-class Ring(Threaded):
-    name = "ring"
+class _PointToPoint(Threaded):
+    """Ring and tree: their own sends and receives among the group's ranks, received into a
+    buffer kept between buckets."""
 
     def __init__(self, group: comm.Group) -> None:
         self.group = group
         self.ranks = comm.group_ranks(group)
         self.me = comm.rank_of(group)
+        self._held: torch.Tensor | None = None
         super().__init__()
 
-    def reduce(self, flat: torch.Tensor, label: str) -> None:
-        ring_all_reduce(flat, self.ranks, self.me, self.group, label, self._scratch(flat))
+    def _scratch(self, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A receive buffer of at least `numel` elements kept between buckets: a fresh one
+        each time would pay a page fault per 4 KB on first touch (thousands for a large
+        bucket)."""
+        held = self._held
+        if held is None or held.dtype != like.dtype or held.device != like.device or \
+                len(held) < numel:
+            self._held = held = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return held[:numel]
 
-    def _scratch(self, flat: torch.Tensor) -> torch.Tensor:
-        """A receive buffer kept between buckets: a fresh one each time would pay a page
-        fault per 4 KB on first touch (thousands for a large bucket)."""
-        need = -(-len(flat) // len(self.ranks))
-        held = getattr(self, "_held", None)
-        if held is None or held.dtype != flat.dtype or held.device != flat.device or \
-                len(held) < need:
-            self._held = torch.empty(need, dtype=flat.dtype, device=flat.device)
-        return self._held
+
+class Ring(_PointToPoint):
+    name = "ring"
+
+    def reduce(self, flat: torch.Tensor, label: str) -> None:
+        largest_chunk = -(-len(flat) // len(self.ranks))
+        ring_all_reduce(flat, self.ranks, self.me, self.group, label,
+                        self._scratch(flat, largest_chunk))
 
 
 _PIPELINE_BLOCK = 1 << 20  # elements: a ring step moves its chunk in blocks of ~4 MB
@@ -209,20 +217,14 @@ def _pipelined_step(send: torch.Tensor, dst: int, arrive: torch.Tensor, src: int
         sent.wait()
 
 
-class Tree(Threaded):
+class Tree(_PointToPoint):
     name = "tree"
-
-    def __init__(self, group: comm.Group) -> None:
-        self.group = group
-        self.ranks = comm.group_ranks(group)
-        self.me = comm.rank_of(group)
-        super().__init__()
 
     def reduce(self, flat: torch.Tensor, label: str) -> None:
         n, me, ranks = len(self.ranks), self.me, self.ranks
         children = [c for c in (2 * me + 1, 2 * me + 2) if c < n]
         parent = (me - 1) // 2
-        incoming = torch.empty_like(flat) if children else flat
+        incoming = self._scratch(flat, len(flat)) if children else flat
         for child in children:  # reduce up: the root ends with the sum
             comm.recv(incoming, ranks[child], f"tree reduce of {label}", self.group)
             flat.add_(incoming)
