@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 class Compression:
-    """Base class: reduces one bucket at a time on its own thread and group."""
+    """Base class: reduces one bucket at a time on its own thread and group (a cast,
+    cheap enough for the backward thread, overrides `start` and never needs the thread)."""
 
     name = "?"
     warmup_steps = 0  # synchronised steps sent uncompressed before compression starts
@@ -45,10 +46,12 @@ class Compression:
         """Attach to the job. Collective: creates a process group on every rank."""
         self.group = comm.new_group(comm.group_ranks(group))
         self.world_size = comm.size_of(group)
-        self._worker = Worker(f"compress-{self.name}")
+        self._worker: Worker | None = None  # started with the first bucket it reduces
         self.sent_bytes = 0
 
     def start(self, bucket: Bucket) -> Handle:
+        if self._worker is None:
+            self._worker = Worker(f"compress-{self.name}")
         return self._worker.submit(self.reduce_bucket, bucket)
 
     def reduce_bucket(self, bucket: Bucket) -> None:
@@ -69,7 +72,8 @@ class Compression:
         self.sent_bytes += tensor.numel() * tensor.element_size()
 
     def close(self) -> None:
-        self._worker.close()
+        if self._worker is not None:
+            self._worker.close()
 
 
 class Cast(Compression):
