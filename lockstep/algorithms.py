@@ -331,7 +331,9 @@ def _gaps(span: slice, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return gaps
 
 
-class _Done:
+class Done:
+    """The handle of a reduction that finished before it was returned."""
+
     def wait(self) -> None:
         """Already complete."""
 
@@ -371,7 +373,7 @@ class SharedMemory(_OnHost, AllReduce):
     def start(self, flat: torch.Tensor, label: str) -> Handle:
         total, mine = self.host.sum_my_slice(flat, label)
         self.host.publish(flat, total, mine)
-        return _Done()
+        return Done()
 
 
 class Hierarchical(_OnHost, Threaded):

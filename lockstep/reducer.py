@@ -50,9 +50,9 @@ class UnusedParameterError(RuntimeError):
 class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it."""
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.nn.Parameter], label: str,
-                 algorithm: AllReduce, padded_numel: int | None = None) -> None:
-        self.spec = spec
+    def __init__(self, index: int, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
+                 label: str, algorithm: AllReduce, padded_numel: int | None = None) -> None:
+        self.index, self.spec = index, spec  # index: its place in the plan (launch order)
         self.params = [params[i] for i in spec.param_indices]
         first = self.params[0]
         # ZeRO pads a bucket to a multiple of the world size, so it splits into equal shards.
@@ -112,7 +112,7 @@ class Reducer:
         specs = self.sharding.specs if self.sharding is not None else \
             plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
         padded = self.sharding.padded if self.sharding is not None else (lambda n: n)
-        self.buckets = [Bucket(spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
+        self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
                                f"({spec.numel} x {spec.dtype})", self.algorithm,
                                padded(spec.numel))
                         for k, spec in enumerate(specs)]

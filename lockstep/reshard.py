@@ -47,9 +47,7 @@ def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
                 if key[len("optim."):] in state:
                     state[key[len("optim."):]].copy_(value)
     if getattr(model, "zero", 0) in (1, 2):
-        for g in model.zero_groups:
-            comm.all_gather_into(g.flat, g.shard_param.detach().clone(),
-                                 f"all-gather of loaded parameter group {g.index}", model.group)
+        optimizer.gather_params("all-gather of loaded shards")
 
 
 @torch.no_grad()

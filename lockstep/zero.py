@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.algorithms import Done
 from lockstep.buckets import BucketSpec, ParamSlot, plan_buckets, reverse_registration_order
 
 
@@ -152,11 +153,6 @@ def _nearest_unit(root: nn.Module, name: str, is_unit: Callable[[nn.Module], boo
 # ---- the reducer side: how each group's gradient is reduced ----------------------------------
 
 
-class _Done:
-    def wait(self) -> None:
-        """Complete."""
-
-
 class Sharding:
     """Plugged into the Reducer: a fixed plan of padded buckets (the flat groups), and
     their reduction -- all-reduce (stage 1) or reduce-scatter into the shard (2, 3)."""
@@ -183,7 +179,7 @@ class Sharding:
             bucket.flat[bucket.spec.numel:].zero_()
 
     def start(self, bucket: Any) -> Any:
-        index = self.buckets_index(bucket)
+        index = bucket.index  # the plan is these groups, in order
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
         target = self.groups[index]
@@ -196,10 +192,7 @@ class Sharding:
         bucket.flat.untyped_storage().resize_(0)  # no rank keeps the full gradient
         if self.on_reduced is not None:
             self.on_reduced(index)
-        return _Done()
-
-    def buckets_index(self, bucket: Any) -> int:
-        return self.specs.index(bucket.spec)
+        return Done()
 
     def after_backward(self, buckets: Sequence[Any]) -> None:
         """Stage 1: the optimizer's shard gradients are views of the averaged buckets."""
@@ -386,12 +379,16 @@ class ZeroOptimizer:
     def step(self, closure: Callable[[], float] | None = None) -> None:
         self.inner.step(closure)
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
-            # The shard is this rank's slice of `flat` already. All launched, then waited,
-            # so the backend may run them side by side.
-            gathers = [comm.gather_shards_async(g.flat, f"all-gather of parameter group "
-                                                f"{g.index}", self.group) for g in self.groups]
-            for work in gathers:
-                work.wait()
+            self.gather_params("all-gather")
+
+    def gather_params(self, what: str) -> None:
+        """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
+        rank's slice of `flat` already; all gathers launched, then waited, so the backend
+        may run them side by side."""
+        gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
+                                            self.group) for g in self.groups]
+        for work in gathers:
+            work.wait()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
