@@ -148,14 +148,6 @@ def barrier(what: str, group: Group = None) -> None:
     _run(what, dist.barrier, group=group)
 
 
-def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, what: str,
-             group: Group = None) -> None:
-    """Send `send` to rank `dst` while receiving `recv` from rank `src` (global ranks)."""
-    ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
-    for work in _run(what, dist.batch_isend_irecv, ops):
-        Pending(work, what).wait()
-
-
 def isend(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> Pending:
     return Pending(_run(what, dist.isend, tensor, dst, group=group), what)
 
@@ -165,13 +157,11 @@ def irecv(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> Pen
 
 
 def send(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> None:
-    work = _run(what, dist.isend, tensor, dst, group=group)
-    Pending(work, what).wait()
+    isend(tensor, dst, what, group).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> None:
-    work = _run(what, dist.irecv, tensor, src, group=group)
-    Pending(work, what).wait()
+    irecv(tensor, src, what, group).wait()
 
 
 def group_ranks(group: Group = None) -> list[int]:
