@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch._utils import _unflatten_dense_tensors
 
 from lockstep import comm
 from lockstep.algorithms import Handle, Worker
@@ -131,9 +132,13 @@ class PowerSGD(Compression):
 
     def compress_bucket(self, bucket: Bucket) -> None:
         label = bucket.label
-        pairs = list(zip(bucket.params, bucket.views, strict=True))
-        matrices = [(id(p), v.view(v.shape[0], -1)) for p, v in pairs if self._compressible(v)]
-        vectors = [v for p, v in pairs if not self._compressible(v)]
+        matrices: list[tuple[int, torch.Tensor]] = []
+        vectors: list[torch.Tensor] = []
+        for p, v in zip(bucket.params, bucket.views, strict=True):
+            if self._compressible(v):
+                matrices.append((id(p), v.view(v.shape[0], -1)))
+            else:
+                vectors.append(v)
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
             whole = torch.cat([v.reshape(-1) for v in vectors])
@@ -144,8 +149,7 @@ class PowerSGD(Compression):
             self._compress(matrices, label)
         if in_flight is not None:
             in_flight.wait()
-            torch._foreach_copy_(vectors, [w.view_as(v) for w, v in zip(
-                whole.split([v.numel() for v in vectors]), vectors, strict=True)])
+            _copy_back(whole, vectors)
 
     def _compress(self, matrices: list[tuple[int, torch.Tensor]], label: str) -> None:
         locals_ = []
@@ -176,9 +180,12 @@ class PowerSGD(Compression):
     def _all_reduce_list(self, tensors: list[torch.Tensor], what: str) -> None:
         flat = torch.cat([t.reshape(-1) for t in tensors])
         self._all_reduce(flat, what)
-        torch._foreach_copy_(tensors, [f.view_as(t) for f, t in
-                                       zip(flat.split([t.numel() for t in tensors]), tensors,
-                                           strict=True)])
+        _copy_back(flat, tensors)
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy `flat`, laid out as torch.cat of the flattened `tensors`, back into them."""
+    torch._foreach_copy_(tensors, list(_unflatten_dense_tensors(flat, tensors)))
 
 
 class TopK(Compression):
