@@ -70,7 +70,8 @@ def worker(setting: str, out: Path) -> None:
     slow = setting == "100mbit"
     link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
                            large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 5)
-    local = costmodel.probe(0, 1) if world.local_world_size > 1 else link
+    # Inside a host: the same pair as `link` when there is one host, else measure it.
+    local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
     # The shared-memory stages' fixed cost (their waits), measured on a tiny message.
     fixed = time_all_reduce("shm" if hosts == 1 else "hierarchical", 4 * KB, world) \
         if hosts == 1 or world.local_world_size > 1 else 0.0

@@ -135,10 +135,10 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     answered by a tiny one (t = 2 alpha + S beta_one_way). Collective: every rank calls it
     and gets the same LinkCost."""
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
-    gamma = summing_cost()
     result = torch.zeros(4, dtype=torch.float64)
     me = comm.rank_of()
     if me in (a, b):
+        gamma = summing_cost()
         tiny, large = torch.zeros(1), torch.zeros(large_bytes // 4)
         quarter = large[: large.numel() // 4]
         peer = b if me == a else a
