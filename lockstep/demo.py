@@ -19,10 +19,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 import lockstep
 from lockstep import data
@@ -58,17 +56,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_data(args: argparse.Namespace) -> tuple[Dataset[Any], Dataset[Any]]:
-    if args.dataset == "mnist":
-        return data.mnist()
-    return data.fashion_mnist(args.data_path or data.FASHION_MNIST_DIR)
+def run_dir_of(out: str, workers: int) -> Path:
+    """Where the run with this many workers keeps its logs, weights and summary."""
+    return Path(out) / f"{workers}-worker{'s' if workers > 1 else ''}"
 
 
 def worker(args: argparse.Namespace) -> None:
     """One rank of one run: train with the Trainer, then rank 0 leaves a summary."""
     world = lockstep.init()
-    train_set, test_set = load_data(args)
-    run_dir = Path(args.out) / f"{world.world_size}-worker{'s' if world.world_size > 1 else ''}"
+    train_set, test_set = data.load(args.dataset, args.data_path)
+    run_dir = run_dir_of(args.out, world.world_size)
     config = lockstep.TrainConfig(global_batch_size=args.global_batch, epochs=args.epochs,
                                   lr=args.lr, warmup_steps=20, decay="cosine",
                                   run_dir=str(run_dir),
@@ -95,7 +92,7 @@ def _launch(args: argparse.Namespace, argv: list[str], workers: int) -> dict[str
     if run(LaunchSpec(nproc=workers, target="lockstep.demo", module=True,
                       args=["--worker", *argv])) != 0:
         raise SystemExit(f"lockstep demo: the {workers}-worker run failed (see above)")
-    run_dir = Path(args.out) / f"{workers}-worker{'s' if workers > 1 else ''}"
+    run_dir = run_dir_of(args.out, workers)
     return {**json.loads((run_dir / SUMMARY).read_text()), "dir": run_dir}
 
 
