@@ -32,10 +32,6 @@ class WorldError(RuntimeError):
     """A function failed or hung on some rank of a test world."""
 
 
-class _Skip(Exception):
-    pass
-
-
 def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -70,16 +66,13 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
             continue
-        try:  # a function that caught a collective failure may have left the group broken
-            if not probe:
-                raise _Skip
-            dist.monitored_barrier(timeout=timedelta(seconds=10))
-        except _Skip:
-            pass
-        except RuntimeError as error:
-            results.put((rank, False, f"{_name(fn)} returned, but left the process group "
-                                      f"unusable: {error}"))
-            continue
+        if probe:  # a function that caught a collective failure may have broken the group
+            try:
+                dist.monitored_barrier(timeout=timedelta(seconds=10))
+            except RuntimeError as error:
+                results.put((rank, False, f"{_name(fn)} returned, but left the process "
+                                          f"group unusable: {error}"))
+                continue
         results.put((rank, True, value))
     dist.destroy_process_group()
 
