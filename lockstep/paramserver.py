@@ -28,7 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.logs import get_logger
+from lockstep.optim import set_lr
 
 log = get_logger(__name__)
 _POLL_S = 0.0005
@@ -68,12 +69,19 @@ def flatten_params(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
 
 
+def _pieces(module: nn.Module, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter,
+                                                                     torch.Tensor]]:
+    """Each parameter with its piece of `flat`, laid out as flatten_params lays them."""
+    offset = 0
+    for p in module.parameters():
+        yield p, flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+
+
 def load_flat(module: nn.Module, flat: torch.Tensor) -> None:
     with torch.no_grad():
-        offset = 0
-        for p in module.parameters():
-            p.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for p, piece in _pieces(module, flat):
+            p.copy_(piece)
 
 
 @dataclass
@@ -82,8 +90,6 @@ class ServerStats:
     rejected: int = 0
     staleness: list[int] = field(default_factory=list)
     dead: list[int] = field(default_factory=list)
-    bytes_in: int = 0
-    bytes_out: int = 0
 
     def summary(self) -> dict[str, float]:
         return {"applied": self.applied, "rejected": self.rejected,
@@ -118,7 +124,7 @@ class ParameterServer:
         every worker is done or dead), then publish the final parameters."""
         self._publish()
         self._snapshot = 0
-        _put(self.store, f"{self.prefix}params@0", self.store.get(f"{self.prefix}params"))
+        _put(self.store, f"{self.prefix}params@0", self._published)
         self._grant()
         while self.stats.applied < self.updates and \
                 len(self.done) + len(self.stats.dead) < len(self.workers):
@@ -130,9 +136,14 @@ class ParameterServer:
         return self.stats
 
     def _publish(self) -> None:
-        payload = _to_bytes(flatten_params(self.module))
-        _put(self.store, f"{self.prefix}params", np.int64(self.version).tobytes() + payload)
-        self.stats.bytes_out += len(payload)
+        """Put the parameters, after their version, where workers pull them; kept, so a
+        round's snapshot is a copy of it rather than a read back from the store."""
+        self._published = np.int64(self.version).tobytes() + \
+            _to_bytes(flatten_params(self.module))
+        _put(self.store, f"{self.prefix}params", self._published)
+
+    def _live(self) -> list[int]:
+        return [w for w in self.workers if w not in self.done and w not in self.stats.dead]
 
     def _grant(self) -> None:
         """At bound 0, let every live worker start the next round once all have finished
@@ -140,12 +151,11 @@ class ParameterServer:
         must not see the round's first updates: that would not be synchronous SGD)."""
         if self.max_staleness:
             return  # nobody waits
-        live = [w for w in self.workers if w not in self.done and w not in self.stats.dead]
+        live = self._live()
         slowest = min((self.clock[w] for w in live), default=0)
-        if self.max_staleness == 0 and slowest > self._snapshot:
+        if slowest > self._snapshot:
             self._snapshot = slowest
-            _put(self.store, f"{self.prefix}params@{slowest}",
-                 self.store.get(f"{self.prefix}params"))
+            _put(self.store, f"{self.prefix}params@{slowest}", self._published)
             if slowest >= 2:  # every live worker has read the one two rounds back
                 self.store.delete_key(f"{self.prefix}params@{slowest - 2}")
         for w in live:
@@ -155,9 +165,7 @@ class ParameterServer:
 
     def _take_any(self) -> bool:
         took = False
-        for w in self.workers:
-            if w in self.done or w in self.stats.dead:
-                continue
+        for w in self._live():
             if self.store.check([f"{self.prefix}done/{w}"]) and not self._pending(w):
                 self.done.add(w)
                 self._grant()
@@ -175,7 +183,6 @@ class ParameterServer:
         data = self.store.get(key)
         self.store.delete_key(key)
         used = int(np.frombuffer(data[:8], dtype=np.int64)[0])
-        self.stats.bytes_in += len(data) - 8
         self.clock[w] += 1
         self.last_heard[w] = time.monotonic()
         if self.max_staleness and self.version - used > self.max_staleness:
@@ -183,13 +190,10 @@ class ParameterServer:
             return
         grad = _from_bytes(data[8:]).div_(len(self.workers))
         self.stats.staleness.append(self.version - used)
-        offset = 0
-        for p in self.module.parameters():
-            p.grad = grad[offset:offset + p.numel()].view_as(p).to(p.dtype)
-            offset += p.numel()
+        for p, piece in _pieces(self.module, grad):
+            p.grad = piece.to(p.dtype)
         if self.lr_at is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(self.version // len(self.workers))
+            set_lr(self.optimizer, self.lr_at(self.version // len(self.workers)))
         self.optimizer.step()
         self.version += 1
         self.stats.applied += 1
@@ -198,7 +202,7 @@ class ParameterServer:
 
     def _check_dead(self) -> None:
         now = time.monotonic()
-        live = [w for w in self.workers if w not in self.done and w not in self.stats.dead]
+        live = self._live()
         ahead = max((self.clock[w] for w in live), default=0)
         for w in live:
             if now - self.last_heard[w] > self.dead_after_s and self.clock[w] < ahead:
@@ -220,7 +224,7 @@ class Worker:
         self.timeout_s = timeout_s
         self.step = 0
         self.version = -1
-        self.bytes_sent = self.bytes_received = 0
+        self.bytes_sent = 0
 
     def pull(self) -> bool:
         """Load the parameters for the next step; False once the budget is spent. At bound
@@ -237,7 +241,6 @@ class Worker:
             data = self.store.get(f"{self.prefix}params")
         self.version = int(np.frombuffer(data[:8], dtype=np.int64)[0])
         load_flat(self.module, _from_bytes(data[8:]))
-        self.bytes_received += len(data) - 8
         return True
 
     def push(self) -> None:
@@ -249,13 +252,11 @@ class Worker:
         self.bytes_sent += len(payload) - 8
         self.step += 1
 
-    def finish(self) -> torch.Tensor:
+    def finish(self) -> None:
         """Say this worker is done; wait for and load the server's final parameters."""
         self.store.set(f"{self.prefix}done/{self.rank}", "1")
         self._wait(f"{self.prefix}final", "the parameter server's final parameters")
-        final = _from_bytes(self.store.get(f"{self.prefix}final"))
-        load_flat(self.module, final)
-        return final
+        load_flat(self.module, _from_bytes(self.store.get(f"{self.prefix}final")))
 
     def _wait(self, key: str, what: str) -> None:
         from datetime import timedelta
