@@ -270,15 +270,18 @@ def latest_valid(root: str | Path) -> Path | None:
 
 
 def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Verify a checkpoint, load it into `model` and `optimizer` (on every rank) and restore
-    this rank's RNG state when the checkpoint has one for it. Returns the JSON state."""
+         extra: dict[str, torch.Tensor] | None = None, verified: bool = False
+         ) -> dict[str, Any]:
+    """Verify a checkpoint (unless `verified`: latest_valid just chose it), load it into
+    `model` and `optimizer` (on every rank) and restore this rank's RNG state when the
+    checkpoint has one for it. Returns the JSON state."""
     folder = Path(folder)
-    problem = verify(folder) if dist.get_rank() == 0 else None
-    problem = comm.broadcast_object(problem, 0, "checkpoint: verifying before loading")
-    if problem is not None:
-        raise CheckpointError(f"rank {dist.get_rank()}: checkpoint {folder} is not valid: "
-                              f"{problem}")
+    if not verified:  # hashing every file is a full read of the checkpoint: do it once
+        problem = verify(folder) if dist.get_rank() == 0 else None
+        problem = comm.broadcast_object(problem, 0, "checkpoint: verifying before loading")
+        if problem is not None:
+            raise CheckpointError(f"rank {dist.get_rank()}: checkpoint {folder} is not "
+                                  f"valid: {problem}")
     bundle = _tensors(model, optimizer)
     try:
         if extra:

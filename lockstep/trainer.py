@@ -501,7 +501,8 @@ class Trainer:
     def _extra_tensors(self) -> dict[str, torch.Tensor]:
         """State a low-communication mode keeps besides model and optimizer (DiLoCo's
         outer optimizer)."""
-        return self.model.checkpoint_tensors() if isinstance(self.model, DiLoCo) else {}
+        return self.model.checkpoint_tensors() if isinstance(self.model, (LocalSGD, DiLoCo)) \
+            else {}
 
     def _config_record(self) -> dict[str, Any]:
         """The config as JSON: plain values as they are, objects (a compressor) by repr.
@@ -532,7 +533,7 @@ class Trainer:
         if folder is None:
             return
         saved = checkpoint.load(folder, self._checkpointed(), self.optimizer,
-                                self._extra_tensors())
+                                self._extra_tensors(), verified=self.config.resume == "auto")
         self._check_resumable(folder, saved)
         self.state = TrainState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                                 history=saved["history"])
