@@ -86,7 +86,6 @@ class Reducer:
         self.compression = compression
         self.sharding = sharding  # ZeRO: a fixed plan of padded buckets, reduced its way
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
-        self._raw_bytes = 0
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
         self.sync_enabled = True
@@ -188,7 +187,6 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
-            self._raw_bytes += bucket.flat.numel() * bucket.flat.element_size()
             if self.sharding is not None:
                 bucket.pending = self.sharding.start(bucket)
             elif self.compression is not None:
@@ -241,12 +239,12 @@ class Reducer:
         self.algorithm.end_of_backward()
         if self.sharding is not None:
             self.sharding.after_backward(self.buckets)
-        sent = self._raw_bytes
+        raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
+        sent = raw
         if self.compression is not None:
             sent, self.compression.sent_bytes = self.compression.sent_bytes, 0
             self.compression.end_of_step()
-        self.stats = {"bytes_sent": sent, "bytes_uncompressed": self._raw_bytes}
-        self._raw_bytes = 0
+        self.stats = {"bytes_sent": sent, "bytes_uncompressed": raw}
 
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the

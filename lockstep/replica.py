@@ -139,7 +139,7 @@ class DataParallel(nn.Module):
         self.reducer = self._new_reducer()
         if zero >= 2:  # gradient buffers exist only while a bucket is being reduced
             for bucket in self.reducer.buckets:
-                bucket.flat.untyped_storage().resize_(0)
+                self.sharding.release(bucket)
         self._join: Any = None  # the active Join, when inside `join()`
 
     def _shard(self, unit: Callable[[nn.Module], bool] | None) -> None:

@@ -178,6 +178,11 @@ class Sharding:
             storage.resize_(bucket.flat.numel() * bucket.flat.element_size())
             bucket.flat[bucket.spec.numel:].zero_()
 
+    def release(self, bucket: Any) -> None:
+        """Stages 2-3: no rank keeps a full gradient bucket between its reductions
+        (`materialize` gives the memory back before the next gradient lands)."""
+        bucket.flat.untyped_storage().resize_(0)
+
     def start(self, bucket: Any) -> Any:
         index = bucket.index  # the plan is these groups, in order
         if self.stage == 1:
@@ -189,7 +194,7 @@ class Sharding:
         target.shard_grad.add_(incoming)  # accumulates across backwards until zero_grad
         for param in bucket.params:
             param.grad = None
-        bucket.flat.untyped_storage().resize_(0)  # no rank keeps the full gradient
+        self.release(bucket)
         if self.on_reduced is not None:
             self.on_reduced(index)
         return Done()
