@@ -86,6 +86,12 @@ class FlatGroup:
         self.flat[self.shard].copy_(self.shard_param.detach())
         return comm.gather_shards_async(self.flat, what, process_group)
 
+    def finish_prefetch(self) -> None:
+        """Wait for the gather in flight: the full buffer is whole then."""
+        self.pending.wait()
+        self.pending = None
+        self.gathered = True
+
     def release(self) -> None:
         """Shrink the full buffer to nothing; the parameters stay views of it."""
         self.flat.untyped_storage().resize_(0)
@@ -286,8 +292,7 @@ class Gatherer:
     def _gather(self, u: int) -> None:
         group = self.groups[u]
         if group.pending is not None:
-            group.pending.wait()
-            group.pending = None
+            group.finish_prefetch()
         elif not group.gathered:
             group.start_gather(f"gather of parameter unit {u}", self.group).wait()
         group.gathered = True
@@ -310,8 +315,7 @@ class Gatherer:
         self._recording = False
         for u, group in enumerate(self.groups):
             if group.pending is not None:
-                group.pending.wait()
-                group.pending = None
+                group.finish_prefetch()  # gathered now, so released below
             self._in_backward[u] = False
             self.users[u] = 0
             if group.gathered:
