@@ -305,11 +305,14 @@ class Trainer:
 
     def _micro_batches(self) -> Iterator[Batch]:
         self.sampler.load_state_dict(self._sampler_state())
-        # A private generator: creating a loader iterator otherwise draws from the global
-        # RNG, at a different point in a resumed run, and shifts every dropout mask after.
+        yield from self._loader(self.sampler, self.config.seed + self.state.epoch)
+
+    def _loader(self, sampler: ShardedSampler, seed: int) -> Iterator[Batch]:
+        """Micro-batches in `sampler`'s order, on this rank's device. A private generator:
+        creating a loader iterator otherwise draws from the global RNG, at a different
+        point in a resumed run, and shifts every dropout mask after."""
         loader = DataLoader(self.train_set, batch_size=self.plan.micro_batch,
-                            sampler=self.sampler, generator=torch.Generator().manual_seed(
-                                self.config.seed + self.state.epoch))
+                            sampler=sampler, generator=torch.Generator().manual_seed(seed))
         for x, y in loader:
             yield x.to(self.world.device), y.to(self.world.device)
 
@@ -430,10 +433,7 @@ class Trainer:
         per_epoch = self.steps_per_epoch * self.plan.accumulation
         for epoch in itertools.count():
             sampler.set_epoch(epoch)
-            loader = DataLoader(self.train_set, batch_size=self.plan.micro_batch,
-                                sampler=sampler, generator=torch.Generator().manual_seed(epoch))
-            for _, (x, y) in zip(range(per_epoch), loader, strict=False):
-                yield x.to(self.world.device), y.to(self.world.device)
+            yield from itertools.islice(self._loader(sampler, epoch), per_epoch)
 
     # ---- evaluation ------------------------------------------------------------------------
 
