@@ -28,7 +28,8 @@ import torch
 import lockstep
 from lockstep import comm, costmodel
 from lockstep.algorithms import make_algorithm
-from lockstep.cluster import Cluster, cluster_available
+from lockstep.bench import run_on_cluster
+from lockstep.cluster import cluster_available
 from lockstep.launch import LaunchSpec, run
 
 KB, MB = 1024, 1024 * 1024
@@ -102,14 +103,8 @@ def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
     if reason is not None:
         print(f"skipping {setting}: no emulated cluster here ({reason})")
         return None
-    with Cluster(hosts=2, bandwidth=setting) as cluster:
-        results = cluster.run_job(2, os.path.abspath(__file__), args, port=29410)
-    for r in results:
-        print(r.stdout, end="")
-    if any(r.returncode for r in results):
-        print(results[0].stderr[-3000:], results[1].stderr[-3000:], file=sys.stderr)
-        return None
-    return json.loads(out.read_text())
+    return run_on_cluster(setting, 2, os.path.abspath(__file__), args, 29410, out,
+                          show_output=True)
 
 
 def report(result: dict[str, object]) -> list[str]:

@@ -38,8 +38,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep.bench import time_modes
-from lockstep.cluster import Cluster, cluster_available
+from lockstep.bench import run_on_cluster, time_modes
+from lockstep.cluster import cluster_available
 from lockstep.data import kjv_chars
 from lockstep.models import CharGPT
 
@@ -178,15 +178,12 @@ def main() -> int:
     for bandwidth in args.bandwidths:
         print(f"measuring at {bandwidth} ...", flush=True)
         result_file = (out / f"{bandwidth}.json").resolve()
-        with Cluster(hosts=2, bandwidth=bandwidth) as cluster:
-            results = cluster.run_job(1, os.path.abspath(__file__),
-                                      ["--worker", bandwidth, "--rounds", str(args.rounds),
-                                       "--steps", str(args.steps), "--result",
-                                       str(result_file)], port=29420)
-        if any(r.returncode for r in results):
-            print(results[0].stderr[-3000:], results[1].stderr[-3000:], file=sys.stderr)
-            continue
-        report(json.loads(result_file.read_text()))
+        result = run_on_cluster(bandwidth, 1, os.path.abspath(__file__),
+                                ["--worker", bandwidth, "--rounds", str(args.rounds),
+                                 "--steps", str(args.steps), "--result", str(result_file)],
+                                29420, result_file)
+        if result is not None:
+            report(result)
     return 0
 
 

@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.cluster import Cluster, cluster_available
+from lockstep.bench import run_on_cluster
+from lockstep.cluster import cluster_available
 from lockstep.data import mnist
 from lockstep.models import small_cnn
 from lockstep.runlog import read_metrics
@@ -119,15 +120,11 @@ def main() -> int:
         result = out / f"{mode.split()[0].replace('+', '')}-{len(rows)}.json"
         print(f"{mode} ...", flush=True)
         shutil.rmtree(result.parent / result.stem, ignore_errors=True)  # a fresh run each time
-        with Cluster(hosts=2, bandwidth=args.bandwidth) as cluster:
-            done = cluster.run_job(2, os.path.abspath(__file__),
-                                   ["--worker", mode, str(result), "--epochs", str(args.epochs),
-                                    "--model", args.model],
-                                   port=29430)
-        if any(d.returncode for d in done):
-            print(done[0].stderr[-2000:], done[1].stderr[-2000:], file=sys.stderr)
+        saved = run_on_cluster(args.bandwidth, 2, os.path.abspath(__file__),
+                               ["--worker", mode, str(result), "--epochs", str(args.epochs),
+                                "--model", args.model], 29430, result)
+        if saved is None:
             continue
-        saved = json.loads(result.read_text())
         run_dir = result.parent / result.stem
         reached, times, losses = time_to_target(run_dir, saved["started"], args.target)
         rows[mode] = {"seconds": reached, "bytes": bytes_per_step(run_dir),

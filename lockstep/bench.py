@@ -8,13 +8,18 @@ and the slowest rank's time counting.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lockstep import comm
+from lockstep.cluster import Cluster
 
 
 def time_modes(steps_by_mode: dict[str, Callable[[], None]], rounds: int, steps: int
@@ -33,3 +38,20 @@ def time_modes(steps_by_mode: dict[str, Callable[[], None]], rounds: int, steps:
             comm.all_reduce(elapsed, "bench: the slowest rank", op=dist.ReduceOp.MAX)
             times[name].append(elapsed.item())
     return times
+
+
+def run_on_cluster(bandwidth: str, nproc: int, script: str, args: Sequence[str], port: int,
+                   result: Path, show_output: bool = False) -> Any:
+    """Run `script` on 2 emulated hosts joined at `bandwidth`, `nproc` processes each, and
+    read the JSON it leaves in `result`; None, with each host's last errors printed, when
+    a host failed. `show_output` echoes the hosts' stdout (progress lines)."""
+    with Cluster(hosts=2, bandwidth=bandwidth) as cluster:
+        done = cluster.run_job(nproc, script, list(args), port=port)
+    if show_output:
+        for host in done:
+            print(host.stdout, end="")
+    if any(host.returncode for host in done):
+        for host in done:
+            print(host.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(result.read_text())
