@@ -14,6 +14,7 @@ per-round ratios, since absolute times on a shared machine mean little.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import statistics
 import sys
@@ -76,10 +77,10 @@ def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, flo
     x = torch.randn(batch, width)
     base = build()
     steps_by_mode = {
-        "lockstep": make_step(lockstep.DataParallel(_copy(base)), x),
-        "ddp": make_step(DDP(_copy(base)), x),
-        "lockstep-shm": make_step(lockstep.DataParallel(_copy(base), algorithm="shm"), x),
-        "local": make_step(_copy(base), x),
+        "lockstep": make_step(lockstep.DataParallel(copy.deepcopy(base)), x),
+        "ddp": make_step(DDP(copy.deepcopy(base)), x),
+        "lockstep-shm": make_step(lockstep.DataParallel(copy.deepcopy(base), algorithm="shm"), x),
+        "local": make_step(copy.deepcopy(base), x),
     }
     for step in steps_by_mode.values():  # warm up allocators, bucket rebuilds, caches
         for _ in range(3):
@@ -104,12 +105,6 @@ def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, flo
             "eff_lockstep": ratio("local", "lockstep"), "eff_ddp": ratio("local", "ddp"),
             "eff_shm": ratio("local", "lockstep-shm"),
             "samples_per_s": 2 * batch * 2 * steps / statistics.median(per_round["lockstep"])}
-
-
-def _copy(module: nn.Module) -> nn.Module:
-    import copy
-
-    return copy.deepcopy(module)
 
 
 def worker(args: argparse.Namespace) -> None:

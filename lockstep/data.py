@@ -73,20 +73,23 @@ def _idx_file(folder: Path, stem: str) -> Path:
         "(apt-get install dataset-fashion-mnist) or pass the folder holding the IDX files.")
 
 
+def _fashion_files(folder: Path) -> list[tuple[Path, Path]]:
+    """(images, labels) files of the train and the test split; FileNotFoundError, saying
+    what to install, when one is missing."""
+    return [(_idx_file(folder, f"{prefix}-images-idx3-ubyte"),
+             _idx_file(folder, f"{prefix}-labels-idx1-ubyte")) for prefix in ("train", "t10k")]
+
+
 def check_fashion_mnist(path: str | Path = FASHION_MNIST_DIR) -> None:
     """Raise FileNotFoundError, saying what to install, unless all four files are there."""
-    for prefix in ("train", "t10k"):
-        for kind in ("images-idx3", "labels-idx1"):
-            _idx_file(Path(path), f"{prefix}-{kind}-ubyte")
+    _fashion_files(Path(path))
 
 
 def fashion_mnist(path: str | Path = FASHION_MNIST_DIR) -> tuple[TensorDataset, TensorDataset]:
     """Fashion-MNIST (60,000 train / 10,000 test) from IDX files in `path`."""
-    folder = Path(path)
     splits = []
-    for prefix in ("train", "t10k"):
-        images = read_idx(_idx_file(folder, f"{prefix}-images-idx3-ubyte"))
-        labels = read_idx(_idx_file(folder, f"{prefix}-labels-idx1-ubyte"))
+    for images_file, labels_file in _fashion_files(Path(path)):
+        images, labels = read_idx(images_file), read_idx(labels_file)
         splits.append(TensorDataset(_as_images(images.reshape(len(images), -1)),
                                     torch.from_numpy(labels.copy()).long()))
     return splits[0], splits[1]
