@@ -27,10 +27,11 @@ import torch
 
 import lockstep
 from lockstep import comm, costmodel
-from lockstep.algorithms import make_algorithm
+from lockstep.algorithms import AllReduce, SharedMemory, make_algorithm
 from lockstep.bench import run_on_cluster
 from lockstep.cluster import cluster_available
 from lockstep.launch import LaunchSpec, run
+from lockstep.topology import Topology
 
 KB, MB = 1024, 1024 * 1024
 SETTINGS = {
@@ -42,10 +43,9 @@ SETTINGS = {
 SIZES = [4 * KB * 4 ** i for i in range(9)]  # 4 KB .. 64 MB
 
 
-def time_all_reduce(algorithm: str, nbytes: int, world: lockstep.World,
-                    budget_s: float = 1.0) -> float:
-    """Median seconds per all-reduce (the slowest rank's), over repeats within a budget."""
-    algo = make_algorithm(algorithm, None, world.local_world_size)
+def time_all_reduce(algo: AllReduce, nbytes: int, budget_s: float = 1.0) -> float:
+    """Median seconds per all-reduce (the slowest rank's), over repeats within a budget;
+    closes `algo`."""
     flat = algo.allocate(nbytes // 4, torch.float32, torch.device("cpu"))
     times: list[float] = []
     spent = 0.0
@@ -73,13 +73,16 @@ def worker(setting: str, out: Path) -> None:
                            large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 5)
     # Inside a host: the same pair as `link` when there is one host, else measure it.
     local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
-    # The shared-memory stages' fixed cost (their waits), measured on a tiny message.
-    fixed = time_all_reduce("shm" if hosts == 1 else "hierarchical", 4 * KB, world) \
-        if hosts == 1 or world.local_world_size > 1 else 0.0
+    # The host stage's fixed cost (its waits), measured on a tiny message, the network left
+    # out: shm among each host's ranks alone.
+    topology = Topology.build(world.rank, world.world_size, world.local_world_size)
+    fixed = time_all_reduce(SharedMemory(topology, timeout_s=60.0), 4 * KB) \
+        if world.local_world_size > 1 else 0.0
     rows = []
     for algorithm in spec["algorithms"]:
         for nbytes in [s for s in SIZES if s <= spec["max"]]:
-            seconds = time_all_reduce(algorithm, nbytes, world)
+            seconds = time_all_reduce(
+                make_algorithm(algorithm, None, world.local_world_size), nbytes)
             predicted = costmodel.predict(algorithm, nbytes, world.world_size,
                                           world.local_world_size, link, local, fixed)
             rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,

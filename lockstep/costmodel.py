@@ -1,11 +1,15 @@
 """The alpha-beta cost model: how long an all-reduce should take, before running it.
 
 A message of S bytes over a link costs alpha + S * beta (alpha: latency, beta: seconds per
-byte); summing S bytes into a buffer costs S * gamma. beta is measured with both directions
+byte); summing S bytes into a buffer costs S * gamma. gamma is measured with every rank
+summing at once, as they do inside an all-reduce (on this machine two ranks summing
+together get about half the memory bandwidth one gets alone), and twice: out of cache,
+and on buffers that fit in the last-level cache, which sum 2-3x faster; a reduction whose
+buffers fit in half that cache is charged the cached rate. beta is measured with both directions
 of the link busy, as in a ring; a message sent while the way back is idle, as in a tree,
 costs beta_one_way per byte instead. On a full-duplex network link the two are equal; on
 loopback the "link" is the CPU copying bytes, which one direction alone gets to itself.
-`probe` measures alpha and both betas between two ranks and gamma locally; `predict` turns
+`probe` measures alpha and both betas between two ranks and gamma on every rank; `predict` turns
 them into a time per algorithm:
 
     ring (and native, which is a ring):  2(N-1) alpha + 2(N-1)/N S beta + (N-1)/N S gamma
@@ -23,10 +27,12 @@ all-reduce.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,10 +49,20 @@ class LinkCost:
     """Seconds per byte summed (a += b) in memory."""
     beta_one_way: float
     """Seconds per byte sent while nothing comes back the other way."""
+    gamma_cached: float = 0.0
+    """Seconds per byte summed when the buffers fit in the cache (0: use gamma)."""
+    cache_bytes: int = 0
+    """The last-level cache's size; buffers within half of it count as cached."""
 
     def message(self, nbytes: float) -> float:
         """One message, the reverse direction idle (a tree's edges)."""
         return self.alpha + nbytes * self.beta_one_way
+
+    def summing(self, nbytes: float, working_set: float) -> float:
+        """Seconds to sum (or copy) `nbytes` when the reduction touches `working_set`
+        bytes in all."""
+        cached = self.gamma_cached > 0 and working_set <= self.cache_bytes / 2
+        return nbytes * (self.gamma_cached if cached else self.gamma)
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
@@ -59,7 +75,7 @@ def ring_time(link: LinkCost, world_size: int, nbytes: float) -> float:
     if n == 1:
         return 0.0
     return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta + \
-        (n - 1) / n * nbytes * link.gamma
+        link.summing((n - 1) / n * nbytes, nbytes)
 
 
 def tree_time(link: LinkCost, world_size: int, nbytes: float,
@@ -77,7 +93,8 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
         ready = 0.0
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
-                ready = max(ready, reduced[child]) + message(node, child) + nbytes * link.gamma
+                ready = max(ready, reduced[child]) + message(node, child) + \
+                    link.summing(nbytes, 2 * nbytes)
         reduced[node] = ready
     has_sum = [0.0] * n
     has_sum[0] = reduced[0]
@@ -92,11 +109,11 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
 
 def shm_time(link: LinkCost, local_world_size: int, nbytes: float, fixed: float) -> float:
     """Within a host: sum my 1/L slice from L buffers, write it into the L-1 others; plus
-    the fixed cost of the waits (`fixed`, measured on a tiny message)."""
-    slice_bytes = nbytes / local_world_size
-    summing = (local_world_size - 1) * slice_bytes * link.gamma
-    publishing = (local_world_size - 1) * slice_bytes * link.gamma  # a copy ~ one add pass
-    return fixed + summing + publishing
+    the fixed cost of the waits (`fixed`, measured on a tiny message). The host's L
+    buffers are the working set; a copy costs about what an add does."""
+    moved = (local_world_size - 1) * nbytes / local_world_size
+    working_set = local_world_size * nbytes
+    return fixed + 2 * link.summing(moved, working_set)
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
@@ -132,13 +149,14 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     an all-reduce between just the two of them -- a tiny one gives alpha; beta is the slope
     between a large one and one a quarter its size (for two ranks, t = 2 alpha + S beta +
     S/2 gamma, plus per-message costs the slope cancels) -- and a large message from a to b
-    answered by a tiny one (t = 2 alpha + S beta_one_way). Collective: every rank calls it
-    and gets the same LinkCost."""
+    answered by a tiny one (t = 2 alpha + S beta_one_way). gamma comes first, from every
+    rank summing at once (see `summing_costs`). Collective: every rank calls it and gets the
+    same LinkCost."""
+    gamma, gamma_cached = summing_costs()
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
-    result = torch.zeros(4, dtype=torch.float64)
+    result = torch.zeros(3, dtype=torch.float64)
     me = comm.rank_of()
     if me in (a, b):
-        gamma = summing_cost()
         tiny, large = torch.zeros(1), torch.zeros(large_bytes // 4)
         quarter = large[: large.numel() // 4]
         peer = b if me == a else a
@@ -162,15 +180,41 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
                  _timed(lambda: reduce(quarter), repeats)) / (large_bytes * 3 / 4)
         beta = max(slope - gamma / 2, 1e-15)
         beta_one_way = max(_timed(one_way, repeats) - 2 * alpha, 1e-12) / large_bytes
-        result[:] = torch.tensor([alpha, beta, gamma, beta_one_way])
+        result[:] = torch.tensor([alpha, beta, beta_one_way])
     comm.broadcast(result, a, "cost probe result")
-    return LinkCost(*result.tolist())
+    alpha, beta, beta_one_way = result.tolist()
+    return LinkCost(alpha, beta, gamma, beta_one_way, gamma_cached, last_level_cache_bytes())
 
 
-def summing_cost(nbytes: int = 64 << 20) -> float:
-    """Seconds per byte of `x += y` on this machine, on buffers larger than the caches."""
+def summing_costs(large_bytes: int = 64 << 20, cached_bytes: int = 1 << 20
+                  ) -> tuple[float, float]:
+    """Seconds per byte of `x += y`, out of cache and in it, with every rank summing at
+    the same time, as inside an all-reduce: ranks on one host share its memory bandwidth.
+    The slowest rank's figures. Collective."""
+    comm.barrier("cost probe: start summing together")
+    costs = torch.tensor([summing_cost(large_bytes), summing_cost(cached_bytes, 40)],
+                         dtype=torch.float64)
+    comm.all_reduce(costs, "cost probe: the slowest rank's summing",
+                    op=torch.distributed.ReduceOp.MAX)
+    return costs[0].item(), costs[1].item()
+
+
+def summing_cost(nbytes: int, repeats: int = 7) -> float:
+    """Seconds per byte of `x += y` on this rank, on two buffers of `nbytes` each."""
     x, y = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
-    return _timed(lambda: x.add_(y), 5) / nbytes
+    x.add_(y)  # touch every page first
+    return _timed(lambda: x.add_(y), repeats) / nbytes
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache's size from sysfs (Linux); 0 where it cannot be read."""
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip().upper()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        with contextlib.suppress(ValueError):
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=0)
 
 
 def describe(link: LinkCost) -> str:
@@ -178,4 +222,5 @@ def describe(link: LinkCost) -> str:
         return 8 / beta / 1e9 if beta > 0 else math.inf
 
     return (f"alpha {link.alpha * 1e6:.0f} us, beta {gbit(link.beta):.2f} Gbit/s "
-            f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s")
+            f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s"
+            + (f" ({1 / link.gamma_cached / 1e9:.1f} in cache)" if link.gamma_cached else ""))

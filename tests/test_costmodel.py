@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import lockstep
@@ -49,6 +51,16 @@ def test_hierarchical_is_the_host_stage_plus_a_ring_among_hosts() -> None:
         costmodel.predict("carrier-pigeon", size, 4, 2, LINK)
 
 
+def test_buffers_that_fit_in_half_the_cache_sum_at_the_cached_rate() -> None:
+    link = LinkCost(alpha=1e-4, beta=1e-9, gamma=1e-10, beta_one_way=5e-10,
+                    gamma_cached=2e-11, cache_bytes=32 * MB)
+    # Two ranks' buffers of 4 MB (8 MB) fit in 16 MB; of 16 MB (32 MB) they do not.
+    assert costmodel.shm_time(link, 2, 4 * MB, 0.0) == pytest.approx(2 * 2 * MB * 2e-11)
+    assert costmodel.shm_time(link, 2, 16 * MB, 0.0) == pytest.approx(2 * 8 * MB * 1e-10)
+    # Without a cached rate (or a known cache), everything is charged out of cache.
+    assert costmodel.shm_time(LINK, 2, 4 * MB, 0.0) == pytest.approx(2 * 2 * MB * 1e-10)
+
+
 def test_bus_bandwidth_is_what_each_link_carried() -> None:
     # 2(N-1)/N * S / t: for two ranks, the bucket's size per second.
     assert costmodel.bus_bandwidth(MB, 1.0, 2) == MB
@@ -58,14 +70,16 @@ def test_bus_bandwidth_is_what_each_link_carried() -> None:
 def check_probe() -> tuple[float, ...]:
     lockstep.init()
     link = costmodel.probe(0, 1, large_bytes=MB, repeats=2)
-    return link.alpha, link.beta, link.gamma, link.beta_one_way
+    return dataclasses.astuple(link)
 
 
 def test_probe_measures_a_real_link_and_every_rank_agrees(world2: World) -> None:
     first, second = world2.run(check_probe)
     assert first == second  # rank 0's measurement, broadcast
-    alpha, beta, gamma, beta_one_way = first
+    alpha, beta, gamma, beta_one_way, gamma_cached, cache_bytes = first
     assert 0 < alpha < 0.1            # loopback answers well within 100 ms
     assert 0 < beta < 1e-7            # faster than 10 MB/s
     assert 0 < beta_one_way < 1e-7
     assert 0 < gamma < 1e-8           # summing faster than 100 MB/s
+    assert 0 < gamma_cached < 1e-8
+    assert cache_bytes >= 0
