@@ -36,6 +36,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Compressors send whole through the learning-rate warm-up (their argument).
     "PowerSGD-4": {"compress": lambda warmup: lockstep.PowerSGD(rank=4, warmup_steps=warmup)},
     "PowerSGD-16": {"compress": lambda warmup: lockstep.PowerSGD(rank=16, warmup_steps=warmup)},
+    # Rank 4 only where it shrinks a matrix 16x or more: the char-GPT's embeddings (its
+    # output layer, tied, and the positions; 12-14x at rank 4) travel whole.
+    "PowerSGD-4-min16": {"compress": lambda warmup: lockstep.PowerSGD(
+        rank=4, warmup_steps=warmup, min_compression=16.0)},
     "TopK-1%": {"compress": lambda warmup: lockstep.TopK(0.01, warmup_steps=warmup)},
     "TopK-10%": {"compress": lambda warmup: lockstep.TopK(0.1, warmup_steps=warmup)},
     "LocalSGD-10": {"mode": "local_sgd", "sync_every": 10},
