@@ -20,14 +20,11 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
-import torch
-
 import lockstep
-from lockstep import comm, costmodel
-from lockstep.algorithms import AllReduce, SharedMemory, make_algorithm
+from lockstep import costmodel
+from lockstep.algorithms import make_algorithm
 from lockstep.bench import run_on_cluster
 from lockstep.cluster import cluster_available
 from lockstep.launch import LaunchSpec, run
@@ -43,26 +40,6 @@ SETTINGS = {
 SIZES = [4 * KB * 4 ** i for i in range(9)]  # 4 KB .. 64 MB
 
 
-def time_all_reduce(algo: AllReduce, nbytes: int, budget_s: float = 1.0) -> float:
-    """Median seconds per all-reduce (the slowest rank's), over repeats within a budget;
-    closes `algo`."""
-    flat = algo.allocate(nbytes // 4, torch.float32, torch.device("cpu"))
-    times: list[float] = []
-    spent = 0.0
-    while len(times) < 2 or (spent < budget_s and len(times) < 10):
-        comm.barrier("bench: start together")
-        started = time.perf_counter()
-        algo.start(flat, f"{nbytes} bytes").wait()
-        algo.end_of_backward()
-        elapsed = torch.tensor([time.perf_counter() - started])
-        comm.all_reduce(elapsed, "bench: slowest rank", op=torch.distributed.ReduceOp.MAX)
-        if spent > 0 or nbytes < MB:  # the first large one warms buffers and connections
-            times.append(elapsed.item())
-        spent += elapsed.item()
-    algo.close()
-    return statistics.median(times)
-
-
 def worker(setting: str, out: Path) -> None:
     world = lockstep.init()
     spec = SETTINGS[setting]
@@ -70,21 +47,20 @@ def worker(setting: str, out: Path) -> None:
     # The slowest link a flat algorithm crosses: to another host if there is one.
     slow = setting == "100mbit"
     link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
-                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 5)
+                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 15)
     # Inside a host: the same pair as `link` when there is one host, else measure it.
     local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
-    # The host stage's fixed cost (its waits), measured on a tiny message, the network left
-    # out: shm among each host's ranks alone.
-    topology = Topology.build(world.rank, world.world_size, world.local_world_size)
-    fixed = time_all_reduce(SharedMemory(topology, timeout_s=60.0), 4 * KB) \
-        if world.local_world_size > 1 else 0.0
+    # The shared-memory stage among each host's ranks, the network left out.
+    host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
+                                               world.local_world_size))
     rows = []
     for algorithm in spec["algorithms"]:
         for nbytes in [s for s in SIZES if s <= spec["max"]]:
-            seconds = time_all_reduce(
-                make_algorithm(algorithm, None, world.local_world_size), nbytes)
+            algo = make_algorithm(algorithm, None, world.local_world_size)
+            seconds = costmodel.time_reduction(algo, nbytes)
+            algo.close()
             predicted = costmodel.predict(algorithm, nbytes, world.world_size,
-                                          world.local_world_size, link, local, fixed)
+                                          world.local_world_size, link, local, host)
             rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,
                          "predicted": predicted})
             if world.is_main:
@@ -93,7 +69,8 @@ def worker(setting: str, out: Path) -> None:
     if world.is_main:
         out.write_text(json.dumps({"setting": setting, "world_size": world.world_size,
                                    "hosts": hosts, "link": costmodel.describe(link),
-                                   "local": costmodel.describe(local), "rows": rows}))
+                                   "local": costmodel.describe(local),
+                                   "host": costmodel.describe_host(host), "rows": rows}))
 
 
 def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
@@ -113,7 +90,8 @@ def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
 def report(result: dict[str, object]) -> list[str]:
     rows, n = result["rows"], result["world_size"]  # type: ignore[index]
     print(f"\n{result['setting']}: {n} ranks on {result['hosts']} host(s); link "
-          f"{result['link']}; inside a host {result['local']}")
+          f"{result['link']}; inside a host {result['local']}; shared-memory stage "
+          f"{result['host']}")
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))  # type: ignore[union-attr]
     sizes = sorted({r["bytes"] for r in rows})  # type: ignore[union-attr]
     table = {(r["algorithm"], r["bytes"]): r for r in rows}  # type: ignore[union-attr]

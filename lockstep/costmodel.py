@@ -1,22 +1,24 @@
 """The alpha-beta cost model: how long an all-reduce should take, before running it.
 
 A message of S bytes over a link costs alpha + S * beta (alpha: latency, beta: seconds per
-byte); summing S bytes into a buffer costs S * gamma. gamma is measured with every rank
-summing at once, as they do inside an all-reduce (on this machine two ranks summing
-together get about half the memory bandwidth one gets alone), and twice: out of cache,
-and on buffers that fit in the last-level cache, which sum 2-3x faster; a reduction whose
-buffers fit in half that cache is charged the cached rate. beta is measured with both directions
-of the link busy, as in a ring; a message sent while the way back is idle, as in a tree,
-costs beta_one_way per byte instead. On a full-duplex network link the two are equal; on
-loopback the "link" is the CPU copying bytes, which one direction alone gets to itself.
-`probe` measures alpha and both betas between two ranks and gamma on every rank; `predict` turns
-them into a time per algorithm:
+byte); summing S bytes into a buffer costs S * gamma. beta is measured with both
+directions of the link busy, as in a ring; a message sent while the way back is idle, as
+in a tree, costs beta_one_way per byte instead. On a full-duplex network link the two are
+equal; on loopback the "link" is the CPU copying bytes, which one direction alone gets to
+itself. gamma is measured with every rank summing at once, as inside an all-reduce (ranks
+on one host share its memory bandwidth: two summing together get about half of what one
+gets alone), out of cache and in it (2-3x faster); a reduction whose buffers fit in half
+the last-level cache is charged the cached rate.
+
+`probe` measures a link, `probe_host` the shared-memory stage inside a host; `predict`
+turns them into a time per algorithm:
 
     ring (and native, which is a ring):  2(N-1) alpha + 2(N-1)/N S beta + (N-1)/N S gamma
     tree:         the critical path of reduce-up then broadcast-down a binary tree, each
                   message the whole bucket (simulated, since a parent takes its children
                   one after the other)
-    shm:          within one host: two passes over the bucket in memory plus 3 barriers
+    shm:          within one host: fixed + S * per_byte, both probed on the shared-memory
+                  stage itself (`probe_host`), which is the "link" inside a host
     hierarchical: shm inside each host, then a ring among the H hosts carrying the whole
                   bucket over each host's link (its L slices travel side by side)
 
@@ -37,6 +39,8 @@ from pathlib import Path
 import torch
 
 from lockstep import comm
+from lockstep.algorithms import AllReduce, SharedMemory
+from lockstep.topology import Topology
 
 
 @dataclass(frozen=True)
@@ -107,32 +111,87 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
     return max(has_sum)
 
 
-def shm_time(link: LinkCost, local_world_size: int, nbytes: float, fixed: float) -> float:
-    """Within a host: sum my 1/L slice from L buffers, write it into the L-1 others; plus
-    the fixed cost of the waits (`fixed`, measured on a tiny message). The host's L
-    buffers are the working set; a copy costs about what an add does."""
-    moved = (local_world_size - 1) * nbytes / local_world_size
-    working_set = local_world_size * nbytes
-    return fixed + 2 * link.summing(moved, working_set)
+@dataclass(frozen=True)
+class HostCost:
+    """The shared-memory stage inside a host (shm, and hierarchical's first and last
+    steps): a fixed cost -- its barriers -- and seconds per bucket byte, out of cache and in
+    it. Probed on the stage itself, like a link: summing what another core just wrote, and
+    writing where another core will read, costs more than gamma's private buffers (cache
+    lines cross between cores), about 2x here."""
+
+    fixed: float
+    per_byte: float
+    per_byte_cached: float
+    local_world_size: int
+    cache_bytes: int
+
+    def time(self, nbytes: float) -> float:
+        """One bucket of `nbytes`: cached if the host's L buffers fit in half the cache."""
+        cached = self.local_world_size * nbytes <= self.cache_bytes / 2
+        return self.fixed + nbytes * (self.per_byte_cached if cached else self.per_byte)
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
-            link: LinkCost, local: LinkCost | None = None, fixed: float = 1e-4) -> float:
+            link: LinkCost, local: LinkCost | None = None,
+            host: HostCost | None = None) -> float:
     """Seconds for one all-reduce of `nbytes`. `link` is the slowest link a flat algorithm
-    crosses; `local` the cost inside a host (for shm stages; defaults to `link`); `fixed`
-    the shm stages' fixed cost."""
+    crosses; `local` a link inside a host (a tree's edges there; defaults to `link`);
+    `host` the shared-memory stage, for shm and hierarchical."""
     local = local or link
     hosts = world_size // local_world_size
     if algorithm in ("native", "ring"):
         return ring_time(link, world_size, nbytes)
     if algorithm == "tree":
         return tree_time(link, world_size, nbytes, local, local_world_size)
-    intra = shm_time(local, local_world_size, nbytes, fixed)
+    if algorithm not in ("shm", "hierarchical"):
+        raise ValueError(f"no cost model for algorithm {algorithm!r}")
+    if host is None:
+        raise ValueError(f"predicting {algorithm} needs the host stage's cost (probe_host)")
     if algorithm == "shm" or hosts == 1:
-        return intra
-    if algorithm == "hierarchical":
-        return intra + ring_time(link, hosts, nbytes)
-    raise ValueError(f"no cost model for algorithm {algorithm!r}")
+        return host.time(nbytes)
+    return host.time(nbytes) + ring_time(link, hosts, nbytes)
+
+
+def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
+                   most: int = 30) -> float:
+    """Median seconds of one all-reduce of `nbytes` with `algorithm` (the slowest rank's,
+    every rank starting together), over repeats within `budget_s`; the first repeat of a
+    large one, which warms buffers and connections, is left out. Collective."""
+    flat = algorithm.allocate(nbytes // 4, torch.float32, torch.device("cpu"))
+    times: list[float] = []
+    spent = 0.0
+    while len(times) < 2 or (spent < budget_s and len(times) < most):
+        comm.barrier("cost model: start together")
+        started = time.perf_counter()
+        algorithm.start(flat, f"{nbytes} bytes").wait()
+        algorithm.end_of_backward()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        comm.all_reduce(elapsed, "cost model: the slowest rank",
+                        op=torch.distributed.ReduceOp.MAX)
+        if spent > 0 or nbytes < (1 << 20):
+            times.append(elapsed.item())
+        spent += elapsed.item()
+    algorithm.free(flat)
+    return statistics.median(times)
+
+
+def probe_host(topology: Topology, timeout_s: float = 60.0) -> HostCost:
+    """Time the shared-memory stage among each host's ranks (every host at once, as in a
+    real step): a 4 KB bucket gives the fixed cost; the slope between 1 and 3 MB buckets the
+    cached rate, between 24 and 48 MB the uncached one -- sizes apart from the ones a
+    benchmark checks it on. Collective."""
+    stage = SharedMemory(topology, timeout_s)
+    try:
+        def slope(small: int, large: int) -> float:
+            return max(time_reduction(stage, large) - time_reduction(stage, small),
+                       1e-15) / (large - small)
+
+        fixed = time_reduction(stage, 4 << 10)
+        cached, uncached = slope(1 << 20, 3 << 20), slope(24 << 20, 48 << 20)
+    finally:
+        stage.close()
+    return HostCost(fixed, uncached, cached, topology.local_world_size,
+                    last_level_cache_bytes())
 
 
 def _timed(fn: object, repeats: int) -> float:
@@ -224,3 +283,11 @@ def describe(link: LinkCost) -> str:
     return (f"alpha {link.alpha * 1e6:.0f} us, beta {gbit(link.beta):.2f} Gbit/s "
             f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s"
             + (f" ({1 / link.gamma_cached / 1e9:.1f} in cache)" if link.gamma_cached else ""))
+
+
+def describe_host(host: HostCost) -> str:
+    def rate(per_byte: float) -> float:
+        return 1 / per_byte / 1e9
+
+    return (f"fixed {host.fixed * 1e6:.0f} us, {rate(host.per_byte):.1f} GB/s "
+            f"({rate(host.per_byte_cached):.1f} in cache)")

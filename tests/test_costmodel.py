@@ -8,8 +8,9 @@ import pytest
 
 import lockstep
 from lockstep import costmodel
-from lockstep.costmodel import LinkCost
+from lockstep.costmodel import HostCost, LinkCost
 from lockstep.testing import World
+from lockstep.topology import Topology
 
 # Round numbers so the expected times can be written out by hand.
 LINK = LinkCost(alpha=1e-4, beta=1e-9, gamma=1e-10, beta_one_way=5e-10)
@@ -40,25 +41,32 @@ def test_tree_parent_takes_its_children_one_after_the_other() -> None:
     assert times == sorted(times)
 
 
+HOST = HostCost(fixed=2e-4, per_byte=2e-10, per_byte_cached=5e-11, local_world_size=2,
+                cache_bytes=32 * MB)
+
+
+def test_the_host_stage_is_charged_the_cached_rate_when_its_buffers_fit_half_the_cache() -> None:
+    # Two ranks' buffers of 4 MB (8 MB) fit in 16 MB; of 16 MB (32 MB) they do not.
+    assert HOST.time(4 * MB) == pytest.approx(2e-4 + 4 * MB * 5e-11)
+    assert HOST.time(16 * MB) == pytest.approx(2e-4 + 16 * MB * 2e-10)
+    assert costmodel.predict("shm", 16 * MB, 2, 2, LINK, host=HOST) == HOST.time(16 * MB)
+
+
 def test_hierarchical_is_the_host_stage_plus_a_ring_among_hosts() -> None:
-    local = LinkCost(alpha=1e-6, beta=1e-11, gamma=1e-10, beta_one_way=1e-11)
-    size, fixed = 16 * MB, 2e-4
-    intra = costmodel.shm_time(local, 2, size, fixed)
-    assert intra == pytest.approx(fixed + 2 * (size / 2) * 1e-10)
-    assert costmodel.predict("hierarchical", size, 4, 2, LINK, local, fixed) == \
-        pytest.approx(intra + costmodel.ring_time(LINK, 2, size))
+    size = 16 * MB
+    assert costmodel.predict("hierarchical", size, 4, 2, LINK, host=HOST) == \
+        pytest.approx(HOST.time(size) + costmodel.ring_time(LINK, 2, size))
+    with pytest.raises(ValueError, match="needs the host stage"):
+        costmodel.predict("shm", size, 2, 2, LINK)
     with pytest.raises(ValueError, match="no cost model"):
         costmodel.predict("carrier-pigeon", size, 4, 2, LINK)
 
 
-def test_buffers_that_fit_in_half_the_cache_sum_at_the_cached_rate() -> None:
-    link = LinkCost(alpha=1e-4, beta=1e-9, gamma=1e-10, beta_one_way=5e-10,
-                    gamma_cached=2e-11, cache_bytes=32 * MB)
-    # Two ranks' buffers of 4 MB (8 MB) fit in 16 MB; of 16 MB (32 MB) they do not.
-    assert costmodel.shm_time(link, 2, 4 * MB, 0.0) == pytest.approx(2 * 2 * MB * 2e-11)
-    assert costmodel.shm_time(link, 2, 16 * MB, 0.0) == pytest.approx(2 * 8 * MB * 1e-10)
-    # Without a cached rate (or a known cache), everything is charged out of cache.
-    assert costmodel.shm_time(LINK, 2, 4 * MB, 0.0) == pytest.approx(2 * 2 * MB * 1e-10)
+def test_summing_is_charged_the_cached_rate_when_the_reduction_fits_half_the_cache() -> None:
+    link = dataclasses.replace(LINK, gamma_cached=2e-11, cache_bytes=32 * MB)
+    assert link.summing(MB, 16 * MB) == pytest.approx(MB * 2e-11)
+    assert link.summing(MB, 17 * MB) == pytest.approx(MB * 1e-10)
+    assert LINK.summing(MB, MB) == pytest.approx(MB * 1e-10)  # no cached rate measured
 
 
 def test_bus_bandwidth_is_what_each_link_carried() -> None:
@@ -83,3 +91,16 @@ def test_probe_measures_a_real_link_and_every_rank_agrees(world2: World) -> None
     assert 0 < gamma < 1e-8           # summing faster than 100 MB/s
     assert 0 < gamma_cached < 1e-8
     assert cache_bytes >= 0
+
+
+def check_host_probe() -> tuple[float, ...]:
+    world = lockstep.init()
+    host = costmodel.probe_host(Topology.build(world.rank, world.world_size, 2))
+    return host.fixed, host.per_byte, host.per_byte_cached
+
+
+def test_host_probe_times_the_shared_memory_stage(world2: World) -> None:
+    for fixed, per_byte, per_byte_cached in world2.run(check_host_probe):
+        assert 0 < fixed < 0.1            # barriers well within 100 ms
+        assert 0 < per_byte < 1e-8        # faster than 100 MB/s
+        assert 0 < per_byte_cached < 1e-8
