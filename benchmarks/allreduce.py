@@ -57,8 +57,10 @@ def worker(setting: str, out: Path) -> None:
     for algorithm in spec["algorithms"]:
         for nbytes in [s for s in SIZES if s <= spec["max"]]:
             algo = make_algorithm(algorithm, None, world.local_world_size)
-            seconds = costmodel.time_reduction(algo, nbytes)
-            algo.close()
+            try:
+                seconds = costmodel.time_reduction(algo, nbytes)
+            finally:
+                algo.close()
             predicted = costmodel.predict(algorithm, nbytes, world.world_size,
                                           world.local_world_size, link, local, host)
             rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,

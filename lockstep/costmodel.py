@@ -6,9 +6,8 @@ directions of the link busy, as in a ring; a message sent while the way back is 
 in a tree, costs beta_one_way per byte instead. On a full-duplex network link the two are
 equal; on loopback the "link" is the CPU copying bytes, which one direction alone gets to
 itself. gamma is measured with every rank summing at once, as inside an all-reduce (ranks
-on one host share its memory bandwidth: two summing together get about half of what one
-gets alone), out of cache and in it (2-3x faster); a reduction whose buffers fit in half
-the last-level cache is charged the cached rate.
+on one host share its memory bandwidth: two summing together can get half of what one
+gets alone).
 
 `probe` measures a link, `probe_host` the shared-memory stage inside a host; `predict`
 turns them into a time per algorithm:
@@ -41,6 +40,7 @@ import torch
 from lockstep import comm
 from lockstep.algorithms import AllReduce, SharedMemory
 from lockstep.topology import Topology
+from lockstep.world import current
 
 
 @dataclass(frozen=True)
@@ -53,20 +53,10 @@ class LinkCost:
     """Seconds per byte summed (a += b) in memory."""
     beta_one_way: float
     """Seconds per byte sent while nothing comes back the other way."""
-    gamma_cached: float = 0.0
-    """Seconds per byte summed when the buffers fit in the cache (0: use gamma)."""
-    cache_bytes: int = 0
-    """The last-level cache's size; buffers within half of it count as cached."""
 
     def message(self, nbytes: float) -> float:
         """One message, the reverse direction idle (a tree's edges)."""
         return self.alpha + nbytes * self.beta_one_way
-
-    def summing(self, nbytes: float, working_set: float) -> float:
-        """Seconds to sum (or copy) `nbytes` when the reduction touches `working_set`
-        bytes in all."""
-        cached = self.gamma_cached > 0 and working_set <= self.cache_bytes / 2
-        return nbytes * (self.gamma_cached if cached else self.gamma)
 
 
 def bus_bandwidth(nbytes: float, seconds: float, world_size: int) -> float:
@@ -79,7 +69,7 @@ def ring_time(link: LinkCost, world_size: int, nbytes: float) -> float:
     if n == 1:
         return 0.0
     return 2 * (n - 1) * link.alpha + 2 * (n - 1) / n * nbytes * link.beta + \
-        link.summing((n - 1) / n * nbytes, nbytes)
+        (n - 1) / n * nbytes * link.gamma
 
 
 def tree_time(link: LinkCost, world_size: int, nbytes: float,
@@ -98,7 +88,7 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
                 ready = max(ready, reduced[child]) + message(node, child) + \
-                    link.summing(nbytes, 2 * nbytes)
+                    nbytes * link.gamma
         reduced[node] = ready
     has_sum = [0.0] * n
     has_sum[0] = reduced[0]
@@ -117,7 +107,8 @@ class HostCost:
     steps): a fixed cost -- its barriers -- and seconds per bucket byte, out of cache and in
     it. Probed on the stage itself, like a link: summing what another core just wrote, and
     writing where another core will read, costs more than gamma's private buffers (cache
-    lines cross between cores), about 2x here."""
+    lines cross between cores): about 2x, on the machine this was written on. Buckets
+    whose L copies fit in half the last-level cache are charged the cached rate."""
 
     fixed: float
     per_byte: float
@@ -126,9 +117,14 @@ class HostCost:
     cache_bytes: int
 
     def time(self, nbytes: float) -> float:
-        """One bucket of `nbytes`: cached if the host's L buffers fit in half the cache."""
-        cached = self.local_world_size * nbytes <= self.cache_bytes / 2
+        """One bucket of `nbytes`."""
+        cached = _fits_cache(self.local_world_size * nbytes, self.cache_bytes)
         return self.fixed + nbytes * (self.per_byte_cached if cached else self.per_byte)
+
+
+def _fits_cache(bytes_on_host: float, cache_bytes: int) -> bool:
+    """Within half the last-level cache: the rest is for everything else running."""
+    return bytes_on_host <= cache_bytes / 2
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
@@ -175,23 +171,30 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
     return statistics.median(times)
 
 
-def probe_host(topology: Topology, timeout_s: float = 60.0) -> HostCost:
+def probe_host(topology: Topology, timeout_s: float | None = None) -> HostCost:
     """Time the shared-memory stage among each host's ranks (every host at once, as in a
-    real step): a 4 KB bucket gives the fixed cost; the slope between 1 and 3 MB buckets the
-    cached rate, between 24 and 48 MB the uncached one -- sizes apart from the ones a
-    benchmark checks it on. Collective."""
-    stage = SharedMemory(topology, timeout_s)
+    real step): a 4 KB bucket gives the fixed cost; the slope between two buckets that fit
+    the cache the cached rate (skipped if the cache is unknown or small), and between 24 and
+    48 MB buckets the uncached one. Collective."""
+    cache_bytes = torch.tensor([last_level_cache_bytes()])
+    comm.all_reduce(cache_bytes, "cost probe: the smallest cache",  # one answer everywhere
+                    op=torch.distributed.ReduceOp.MIN)
+    local_world_size = topology.local_world_size
+    cached_large = int(cache_bytes.item()) // (6 * local_world_size) // 4096 * 4096
+    stage = SharedMemory(topology, current().timeout.total_seconds() if timeout_s is None
+                         else timeout_s)
     try:
         def slope(small: int, large: int) -> float:
             return max(time_reduction(stage, large) - time_reduction(stage, small),
                        1e-15) / (large - small)
 
         fixed = time_reduction(stage, 4 << 10)
-        cached, uncached = slope(1 << 20, 3 << 20), slope(24 << 20, 48 << 20)
+        uncached = slope(24 << 20, 48 << 20)
+        cached = slope(cached_large // 3, cached_large) if cached_large >= 256 << 10 \
+            else uncached
     finally:
         stage.close()
-    return HostCost(fixed, uncached, cached, topology.local_world_size,
-                    last_level_cache_bytes())
+    return HostCost(fixed, uncached, cached, local_world_size, int(cache_bytes.item()))
 
 
 def _timed(fn: object, repeats: int) -> float:
@@ -211,7 +214,7 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     answered by a tiny one (t = 2 alpha + S beta_one_way). gamma comes first, from every
     rank summing at once (see `summing_costs`). Collective: every rank calls it and gets the
     same LinkCost."""
-    gamma, gamma_cached = summing_costs()
+    gamma = summing_cost()
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
     result = torch.zeros(3, dtype=torch.float64)
     me = comm.rank_of()
@@ -242,27 +245,21 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
         result[:] = torch.tensor([alpha, beta, beta_one_way])
     comm.broadcast(result, a, "cost probe result")
     alpha, beta, beta_one_way = result.tolist()
-    return LinkCost(alpha, beta, gamma, beta_one_way, gamma_cached, last_level_cache_bytes())
+    return LinkCost(alpha, beta, gamma, beta_one_way)
 
 
-def summing_costs(large_bytes: int = 64 << 20, cached_bytes: int = 1 << 20
-                  ) -> tuple[float, float]:
-    """Seconds per byte of `x += y`, out of cache and in it, with every rank summing at
-    the same time, as inside an all-reduce: ranks on one host share its memory bandwidth.
-    The slowest rank's figures. Collective."""
-    comm.barrier("cost probe: start summing together")
-    costs = torch.tensor([summing_cost(large_bytes), summing_cost(cached_bytes, 40)],
-                         dtype=torch.float64)
-    comm.all_reduce(costs, "cost probe: the slowest rank's summing",
-                    op=torch.distributed.ReduceOp.MAX)
-    return costs[0].item(), costs[1].item()
-
-
-def summing_cost(nbytes: int, repeats: int = 7) -> float:
-    """Seconds per byte of `x += y` on this rank, on two buffers of `nbytes` each."""
-    x, y = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
+def summing_cost(large_bytes: int = 64 << 20, repeats: int = 7) -> float:
+    """Seconds per byte of `x += y` on buffers larger than the caches, with every rank
+    summing at the same time, as inside an all-reduce: ranks on one host share its memory
+    bandwidth. The slowest rank's figure. Collective."""
+    x, y = torch.zeros(large_bytes // 4), torch.ones(large_bytes // 4)
     x.add_(y)  # touch every page first
-    return _timed(lambda: x.add_(y), repeats) / nbytes
+    comm.barrier("cost probe: start summing together")
+    cost = torch.tensor([_timed(lambda: x.add_(y), repeats) / large_bytes],
+                        dtype=torch.float64)
+    comm.all_reduce(cost, "cost probe: the slowest rank's summing",
+                    op=torch.distributed.ReduceOp.MAX)
+    return cost.item()
 
 
 def last_level_cache_bytes() -> int:
@@ -281,8 +278,7 @@ def describe(link: LinkCost) -> str:
         return 8 / beta / 1e9 if beta > 0 else math.inf
 
     return (f"alpha {link.alpha * 1e6:.0f} us, beta {gbit(link.beta):.2f} Gbit/s "
-            f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s"
-            + (f" ({1 / link.gamma_cached / 1e9:.1f} in cache)" if link.gamma_cached else ""))
+            f"({gbit(link.beta_one_way):.2f} one way), sum {1 / link.gamma / 1e9:.1f} GB/s")
 
 
 def describe_host(host: HostCost) -> str:

@@ -62,13 +62,6 @@ def test_hierarchical_is_the_host_stage_plus_a_ring_among_hosts() -> None:
         costmodel.predict("carrier-pigeon", size, 4, 2, LINK)
 
 
-def test_summing_is_charged_the_cached_rate_when_the_reduction_fits_half_the_cache() -> None:
-    link = dataclasses.replace(LINK, gamma_cached=2e-11, cache_bytes=32 * MB)
-    assert link.summing(MB, 16 * MB) == pytest.approx(MB * 2e-11)
-    assert link.summing(MB, 17 * MB) == pytest.approx(MB * 1e-10)
-    assert LINK.summing(MB, MB) == pytest.approx(MB * 1e-10)  # no cached rate measured
-
-
 def test_bus_bandwidth_is_what_each_link_carried() -> None:
     # 2(N-1)/N * S / t: for two ranks, the bucket's size per second.
     assert costmodel.bus_bandwidth(MB, 1.0, 2) == MB
@@ -84,13 +77,11 @@ def check_probe() -> tuple[float, ...]:
 def test_probe_measures_a_real_link_and_every_rank_agrees(world2: World) -> None:
     first, second = world2.run(check_probe)
     assert first == second  # rank 0's measurement, broadcast
-    alpha, beta, gamma, beta_one_way, gamma_cached, cache_bytes = first
+    alpha, beta, gamma, beta_one_way = first
     assert 0 < alpha < 0.1            # loopback answers well within 100 ms
     assert 0 < beta < 1e-7            # faster than 10 MB/s
     assert 0 < beta_one_way < 1e-7
     assert 0 < gamma < 1e-8           # summing faster than 100 MB/s
-    assert 0 < gamma_cached < 1e-8
-    assert cache_bytes >= 0
 
 
 def check_host_probe() -> tuple[float, ...]:
