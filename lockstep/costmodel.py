@@ -173,9 +173,9 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
 
 def probe_host(topology: Topology, timeout_s: float | None = None) -> HostCost:
     """Time the shared-memory stage among each host's ranks (every host at once, as in a
-    real step): a 4 KB bucket gives the fixed cost; the slope between two buckets that fit
-    the cache the cached rate (skipped if the cache is unknown or small), and between 24 and
-    48 MB buckets the uncached one. Collective."""
+    real step): a 4 KB bucket gives the fixed cost; the rest of a 48 MB bucket's time the
+    uncached rate, and of a bucket whose copies fill a sixth of the cache the cached one
+    (unless the cache is unknown or small). Collective."""
     cache_bytes = torch.tensor([last_level_cache_bytes()])
     comm.all_reduce(cache_bytes, "cost probe: the smallest cache",  # one answer everywhere
                     op=torch.distributed.ReduceOp.MIN)
@@ -184,14 +184,13 @@ def probe_host(topology: Topology, timeout_s: float | None = None) -> HostCost:
     stage = SharedMemory(topology, current().timeout.total_seconds() if timeout_s is None
                          else timeout_s)
     try:
-        def slope(small: int, large: int) -> float:
-            return max(time_reduction(stage, large) - time_reduction(stage, small),
-                       1e-15) / (large - small)
-
         fixed = time_reduction(stage, 4 << 10)
-        uncached = slope(24 << 20, 48 << 20)
-        cached = slope(cached_large // 3, cached_large) if cached_large >= 256 << 10 \
-            else uncached
+
+        def per_byte(nbytes: int) -> float:  # a ratio, not a slope: one noisy time, not two
+            return max(time_reduction(stage, nbytes) - fixed, 1e-15) / nbytes
+
+        uncached = per_byte(48 << 20)
+        cached = per_byte(cached_large) if cached_large >= 256 << 10 else uncached
     finally:
         stage.close()
     return HostCost(fixed, uncached, cached, local_world_size, int(cache_bytes.item()))
