@@ -117,14 +117,10 @@ class HostCost:
     cache_bytes: int
 
     def time(self, nbytes: float) -> float:
-        """One bucket of `nbytes`."""
-        cached = _fits_cache(self.local_world_size * nbytes, self.cache_bytes)
+        """One bucket of `nbytes`. Only half the cache counts: the rest holds everything
+        else running."""
+        cached = self.local_world_size * nbytes <= self.cache_bytes / 2
         return self.fixed + nbytes * (self.per_byte_cached if cached else self.per_byte)
-
-
-def _fits_cache(bytes_on_host: float, cache_bytes: int) -> bool:
-    """Within half the last-level cache: the rest is for everything else running."""
-    return bytes_on_host <= cache_bytes / 2
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
@@ -211,7 +207,7 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     between a large one and one a quarter its size (for two ranks, t = 2 alpha + S beta +
     S/2 gamma, plus per-message costs the slope cancels) -- and a large message from a to b
     answered by a tiny one (t = 2 alpha + S beta_one_way). gamma comes first, from every
-    rank summing at once (see `summing_costs`). Collective: every rank calls it and gets the
+    rank summing at once (see `summing_cost`). Collective: every rank calls it and gets the
     same LinkCost."""
     gamma = summing_cost()
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
