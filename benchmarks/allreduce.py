@@ -10,7 +10,9 @@ Settings (each a separate job, its algorithms measured in the same run):
   100mbit    the same at 100 Mbit/s, up to 16 MB messages (a 64 MB one takes ~10 s)
 
 Every rank starts each all-reduce together (a barrier) and the slowest rank's time counts.
-Prints one table per setting, checks the issue's targets, and writes allreduce.png.
+Each round (3 by default) probes the links and the host again, then measures every cell;
+the table shows the medians over rounds. Prints one table per setting, checks the issue's
+targets, and writes allreduce.png.
 """
 
 from __future__ import annotations
@@ -40,44 +42,56 @@ SETTINGS = {
 SIZES = [4 * KB * 4 ** i for i in range(9)]  # 4 KB .. 64 MB
 
 
-def worker(setting: str, out: Path) -> None:
+def worker(setting: str, rounds: int, out: Path) -> None:
     world = lockstep.init()
     spec = SETTINGS[setting]
-    hosts = world.num_hosts
-    # The slowest link a flat algorithm crosses: to another host if there is one.
-    slow = setting == "100mbit"
-    link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
-                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 15)
-    # Inside a host: the same pair as `link` when there is one host, else measure it.
-    local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
-    # The shared-memory stage among each host's ranks, the network left out.
-    host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
-                                               world.local_world_size))
-    rows = []
-    for algorithm in spec["algorithms"]:
-        for nbytes in [s for s in SIZES if s <= spec["max"]]:
-            algo = make_algorithm(algorithm, None, world.local_world_size)
-            try:
-                seconds = costmodel.time_reduction(algo, nbytes)
-            finally:
-                algo.close()
-            predicted = costmodel.predict(algorithm, nbytes, world.world_size,
-                                          world.local_world_size, link, local, host)
-            rows.append({"algorithm": algorithm, "bytes": nbytes, "seconds": seconds,
-                         "predicted": predicted})
-            if world.is_main:
-                print(f"  {setting:8s} {algorithm:12s} {nbytes / KB:8.0f} KB  "
-                      f"{seconds * 1e3:9.2f} ms", flush=True)
+    sizes = [s for s in SIZES if s <= spec["max"]]
+    measured: dict[tuple[str, int], list[float]] = {}
+    predicted: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(rounds):
+        # Each round probes again before it measures: a shared machine's speed drifts, and
+        # a prediction is fairly judged only against what it was made for.
+        link, local, host = probe_costs(setting, world)
+        for algorithm in spec["algorithms"]:
+            for nbytes in sizes:
+                algo = make_algorithm(algorithm, None, world.local_world_size)
+                try:
+                    seconds = costmodel.time_reduction(algo, nbytes)
+                finally:
+                    algo.close()
+                measured.setdefault((algorithm, nbytes), []).append(seconds)
+                predicted.setdefault((algorithm, nbytes), []).append(costmodel.predict(
+                    algorithm, nbytes, world.world_size, world.local_world_size, link, local,
+                    host))
+                if world.is_main:
+                    print(f"  {setting:8s} round {round_ + 1}/{rounds} {algorithm:12s} "
+                          f"{nbytes / KB:8.0f} KB  {seconds * 1e3:9.2f} ms", flush=True)
     if world.is_main:
+        rows = [{"algorithm": a, "bytes": n, "seconds": statistics.median(measured[(a, n)]),
+                 "predicted": statistics.median(predicted[(a, n)])} for a, n in measured]
         out.write_text(json.dumps({"setting": setting, "world_size": world.world_size,
-                                   "hosts": hosts, "link": costmodel.describe(link),
+                                   "hosts": world.num_hosts, "rounds": rounds,
+                                   "link": costmodel.describe(link),
                                    "local": costmodel.describe(local),
                                    "host": costmodel.describe_host(host), "rows": rows}))
 
 
-def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
+def probe_costs(setting: str, world: lockstep.World) -> tuple[
+        costmodel.LinkCost, costmodel.LinkCost, costmodel.HostCost]:
+    """The slowest link a flat algorithm crosses (to another host if there is one), a
+    link inside a host, and the shared-memory stage among each host's ranks."""
+    hosts, slow = world.num_hosts, setting == "100mbit"
+    link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
+                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 15)
+    local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
+    host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
+                                               world.local_world_size))
+    return link, local, host
+
+
+def launch_setting(setting: str, rounds: int, out: Path) -> dict[str, object] | None:
     spec = SETTINGS[setting]
-    args = ["--worker", setting, "--result", str(out)]
+    args = ["--worker", setting, "--rounds", str(rounds), "--result", str(out)]
     if spec["hosts"] == 1:
         code = run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=args))
         return json.loads(out.read_text()) if code == 0 else None
@@ -91,7 +105,8 @@ def launch_setting(setting: str, out: Path) -> dict[str, object] | None:
 
 def report(result: dict[str, object]) -> list[str]:
     rows, n = result["rows"], result["world_size"]  # type: ignore[index]
-    print(f"\n{result['setting']}: {n} ranks on {result['hosts']} host(s); link "
+    print(f"\n{result['setting']}: {n} ranks on {result['hosts']} host(s), median of "
+          f"{result['rounds']} rounds; last round's link "
           f"{result['link']}; inside a host {result['local']}; shared-memory stage "
           f"{result['host']}")
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))  # type: ignore[union-attr]
@@ -164,19 +179,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--rounds", type=int, default=3,
+                   help="probe and measure this many times; the medians are reported")
     p.add_argument("--out", default="runs/bench/allreduce")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker, Path(args.result))
+        worker(args.worker, args.rounds, Path(args.result))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, checks = [], []
     for setting in args.settings:
         print(f"measuring {setting} ...", flush=True)
-        result = launch_setting(setting, (out / f"{setting}.json").resolve())
+        result = launch_setting(setting, args.rounds, (out / f"{setting}.json").resolve())
         if result is not None:
             results.append(result)
     for result in results:

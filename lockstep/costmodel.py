@@ -28,12 +28,11 @@ all-reduce.
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 import math
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -76,18 +75,26 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
               local: LinkCost | None = None, local_world_size: int | None = None) -> float:
     """Critical path of algorithms.Tree: node i's children are 2i+1 and 2i+2; a parent
     receives and sums its children in order, then sends up; then the sum comes down. An
-    edge between ranks on one host costs `local`, between hosts `link`."""
+    edge between ranks on one host costs `local`, between hosts `link`; messages leaving
+    one host take turns on its link (a parent and its child on one host can both be
+    sending across at once, as 0 and 1 are when 4 ranks sit 2 to a host)."""
     n, local, per_host = world_size, local or link, local_world_size or world_size
+    link_free: dict[int, float] = {}  # per host: when its outgoing link is next idle
 
-    def message(a: int, b: int) -> float:
-        return (local if a // per_host == b // per_host else link).message(nbytes)
+    def delivered(sender: int, receiver: int, ready: float) -> float:
+        host = sender // per_host
+        if host == receiver // per_host:
+            return ready + local.message(nbytes)
+        start = max(ready, link_free.get(host, 0.0))
+        link_free[host] = start + link.message(nbytes)
+        return link_free[host]
 
     reduced = [0.0] * n  # when node i holds its subtree's sum
     for node in reversed(range(n)):
         ready = 0.0
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
-                ready = max(ready, reduced[child]) + message(node, child) + \
+                ready = delivered(child, node, max(ready, reduced[child])) + \
                     nbytes * link.gamma
         reduced[node] = ready
     has_sum = [0.0] * n
@@ -96,31 +103,40 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
         sent = has_sum[node]
         for child in (2 * node + 1, 2 * node + 2):
             if child < n:
-                sent += message(node, child)
-                has_sum[child] = sent
+                sent = has_sum[child] = delivered(node, child, sent)
     return max(has_sum)
 
 
 @dataclass(frozen=True)
 class HostCost:
     """The shared-memory stage inside a host (shm, and hierarchical's first and last
-    steps): a fixed cost -- its barriers -- and seconds per bucket byte, out of cache and in
-    it. Probed on the stage itself, like a link: summing what another core just wrote, and
-    writing where another core will read, costs more than gamma's private buffers (cache
-    lines cross between cores): about 2x, on the machine this was written on. Buckets
-    whose L copies fit in half the last-level cache are charged the cached rate."""
+    steps): a fixed cost -- its barriers -- and a per-byte cost that depends on the bucket's
+    size. Probed on the stage itself, like a link: summing what another core just wrote,
+    and writing where another core will read, costs more than gamma's private buffers
+    (cache lines cross between cores), and a bucket whose copies still fit the caches runs
+    two to four times faster than one that spills to memory. Rather than guess where the
+    caches end, the probe times a few sizes two octaves apart and the per-byte cost in
+    between is interpolated on log size (held flat beyond the ends)."""
 
     fixed: float
-    per_byte: float
-    per_byte_cached: float
-    local_world_size: int
-    cache_bytes: int
+    sizes: tuple[int, ...]
+    """Probed bucket sizes in bytes, ascending."""
+    per_byte: tuple[float, ...]
+    """Seconds per bucket byte at each probed size, the fixed cost taken out."""
 
     def time(self, nbytes: float) -> float:
-        """One bucket of `nbytes`. Only half the cache counts: the rest holds everything
-        else running."""
-        cached = self.local_world_size * nbytes <= self.cache_bytes / 2
-        return self.fixed + nbytes * (self.per_byte_cached if cached else self.per_byte)
+        """One bucket of `nbytes`."""
+        return self.fixed + nbytes * self.per_byte_at(nbytes)
+
+    def per_byte_at(self, nbytes: float) -> float:
+        sizes, rates = self.sizes, self.per_byte
+        if nbytes <= sizes[0]:
+            return rates[0]
+        for (lo, rate_lo), (hi, rate_hi) in itertools.pairwise(zip(sizes, rates, strict=True)):
+            if nbytes <= hi:
+                weight = math.log(nbytes / lo) / math.log(hi / lo)
+                return rate_lo + weight * (rate_hi - rate_lo)
+        return rates[-1]
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
@@ -145,7 +161,7 @@ def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: in
 
 
 def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
-                   most: int = 30) -> float:
+                   most: int = 200) -> float:
     """Median seconds of one all-reduce of `nbytes` with `algorithm` (the slowest rank's,
     every rank starting together), over repeats within `budget_s`; the first repeat of a
     large one, which warms buffers and connections, is left out. Collective."""
@@ -167,29 +183,28 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
     return statistics.median(times)
 
 
-def probe_host(topology: Topology, timeout_s: float | None = None) -> HostCost:
+HOST_PROBE_SIZES = (512 << 10, 2 << 20, 8 << 20, 32 << 20)
+"""Two octaves apart, from where the fixed cost stops dominating to well past the caches:
+the range DataParallel's buckets live in (1 MB first, 25 MB by default)."""
+
+
+def probe_host(topology: Topology, timeout_s: float | None = None,
+               sizes: tuple[int, ...] = HOST_PROBE_SIZES) -> HostCost:
     """Time the shared-memory stage among each host's ranks (every host at once, as in a
-    real step): a 4 KB bucket gives the fixed cost; the rest of a 48 MB bucket's time the
-    uncached rate, and of a bucket whose copies fill a sixth of the cache the cached one
-    (unless the cache is unknown or small). Collective."""
-    cache_bytes = torch.tensor([last_level_cache_bytes()])
-    comm.all_reduce(cache_bytes, "cost probe: the smallest cache",  # one answer everywhere
-                    op=torch.distributed.ReduceOp.MIN)
-    local_world_size = topology.local_world_size
-    cached_large = int(cache_bytes.item()) // (6 * local_world_size) // 4096 * 4096
+    real step): a 4 KB bucket gives the fixed cost, and each of `sizes` the per-byte cost
+    at that size. Collective."""
     stage = SharedMemory(topology, current().timeout.total_seconds() if timeout_s is None
                          else timeout_s)
     try:
         fixed = time_reduction(stage, 4 << 10)
-
-        def per_byte(nbytes: int) -> float:  # a ratio, not a slope: one noisy time, not two
-            return max(time_reduction(stage, nbytes) - fixed, 1e-15) / nbytes
-
-        uncached = per_byte(48 << 20)
-        cached = per_byte(cached_large) if cached_large >= 256 << 10 else uncached
+        # A ratio per size, not a slope between sizes: one noisy time each, not two. A
+        # busy neighbour can inflate the fixed cost past a small bucket's whole time; it
+        # is never let take more than half of one.
+        seconds = [time_reduction(stage, n) for n in sizes]
+        per_byte = tuple(max(t - fixed, t / 2) / n for t, n in zip(seconds, sizes, strict=True))
     finally:
         stage.close()
-    return HostCost(fixed, uncached, cached, local_world_size, int(cache_bytes.item()))
+    return HostCost(fixed, tuple(sizes), per_byte)
 
 
 def _timed(fn: object, repeats: int) -> float:
@@ -206,7 +221,8 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     an all-reduce between just the two of them -- a tiny one gives alpha; beta is the slope
     between a large one and one a quarter its size (for two ranks, t = 2 alpha + S beta +
     S/2 gamma, plus per-message costs the slope cancels) -- and a large message from a to b
-    answered by a tiny one (t = 2 alpha + S beta_one_way). gamma comes first, from every
+    sent back once it has arrived (t = 2 alpha + 2 S beta_one_way: a tree edge's traffic,
+    the receiver's buffer as warm or cold as it is there). gamma comes first, from every
     rank summing at once (see `summing_cost`). Collective: every rank calls it and gets the
     same LinkCost."""
     gamma = summing_cost()
@@ -221,22 +237,23 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
         def reduce(t: torch.Tensor) -> None:
             comm.all_reduce(t, "cost probe", pair)
 
-        def one_way() -> None:
+        def there_and_back() -> None:  # as a tree's edge: up, then down, never both
             if me == a:
                 comm.send(large, peer, "cost probe: one-way message", pair)
-                comm.recv(tiny, peer, "cost probe: its answer", pair)
+                comm.recv(large, peer, "cost probe: its way back", pair)
             else:
                 comm.recv(large, peer, "cost probe: one-way message", pair)
-                comm.send(tiny, peer, "cost probe: its answer", pair)
+                comm.send(large, peer, "cost probe: its way back", pair)
 
         for _ in range(3):  # warm the connections, the buffers and the TCP windows
             reduce(large)
-            one_way()
+            there_and_back()
         alpha = _timed(lambda: reduce(tiny), repeats * 4) / 2
         slope = (_timed(lambda: reduce(large), repeats) -
                  _timed(lambda: reduce(quarter), repeats)) / (large_bytes * 3 / 4)
         beta = max(slope - gamma / 2, 1e-15)
-        beta_one_way = max(_timed(one_way, repeats) - 2 * alpha, 1e-12) / large_bytes
+        beta_one_way = max(_timed(there_and_back, repeats) - 2 * alpha, 1e-12) / \
+            (2 * large_bytes)
         result[:] = torch.tensor([alpha, beta, beta_one_way])
     comm.broadcast(result, a, "cost probe result")
     alpha, beta, beta_one_way = result.tolist()
@@ -257,17 +274,6 @@ def summing_cost(large_bytes: int = 64 << 20, repeats: int = 7) -> float:
     return cost.item()
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size from sysfs (Linux); 0 where it cannot be read."""
-    sizes = []
-    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = entry.read_text().strip().upper()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        with contextlib.suppress(ValueError):
-            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=0)
-
-
 def describe(link: LinkCost) -> str:
     def gbit(beta: float) -> float:
         return 8 / beta / 1e9 if beta > 0 else math.inf
@@ -277,8 +283,10 @@ def describe(link: LinkCost) -> str:
 
 
 def describe_host(host: HostCost) -> str:
-    def rate(per_byte: float) -> float:
-        return 1 / per_byte / 1e9
+    rates = ", ".join(f"{1 / rate / 1e9:.1f} at {_size(size)}"
+                      for size, rate in zip(host.sizes, host.per_byte, strict=True))
+    return f"fixed {host.fixed * 1e6:.0f} us, GB/s {rates}"
 
-    return (f"fixed {host.fixed * 1e6:.0f} us, {rate(host.per_byte):.1f} GB/s "
-            f"({rate(host.per_byte_cached):.1f} in cache)")
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"

@@ -41,14 +41,26 @@ def test_tree_parent_takes_its_children_one_after_the_other() -> None:
     assert times == sorted(times)
 
 
-HOST = HostCost(fixed=2e-4, per_byte=2e-10, per_byte_cached=5e-11, local_world_size=2,
-                cache_bytes=32 * MB)
+def test_tree_messages_leaving_one_host_take_turns_on_its_link() -> None:
+    # 4 ranks, 2 per host: 3 -> 1 and 2 -> 0 both leave host 1, one after the other, and
+    # on the way down 0 -> 2 and 1 -> 3 both leave host 0. Edges inside a host are free.
+    size, free = 4 * MB, LinkCost(alpha=0.0, beta=0.0, gamma=0.0, beta_one_way=0.0)
+    message = 1e-4 + size * 5e-10
+    assert costmodel.tree_time(LINK, 4, size, free, 2) == pytest.approx(
+        4 * message + 3 * size * 1e-10)  # 1 sums 3, then 0 sums 1 and 2
 
 
-def test_the_host_stage_is_charged_the_cached_rate_when_its_buffers_fit_half_the_cache() -> None:
-    # Two ranks' buffers of 4 MB (8 MB) fit in 16 MB; of 16 MB (32 MB) they do not.
-    assert HOST.time(4 * MB) == pytest.approx(2e-4 + 4 * MB * 5e-11)
-    assert HOST.time(16 * MB) == pytest.approx(2e-4 + 16 * MB * 2e-10)
+HOST = HostCost(fixed=2e-4, sizes=(2 * MB, 8 * MB, 32 * MB), per_byte=(5e-11, 1e-10, 2e-10))
+
+
+def test_the_host_stage_interpolates_its_probed_rates_on_log_size() -> None:
+    # At a probed size, its own rate; halfway between two (in octaves), halfway between
+    # their rates; beyond the ends, the nearest end's rate.
+    assert HOST.time(8 * MB) == pytest.approx(2e-4 + 8 * MB * 1e-10)
+    assert HOST.time(4 * MB) == pytest.approx(2e-4 + 4 * MB * 7.5e-11)
+    assert HOST.time(16 * MB) == pytest.approx(2e-4 + 16 * MB * 1.5e-10)
+    assert HOST.time(MB) == pytest.approx(2e-4 + MB * 5e-11)
+    assert HOST.time(64 * MB) == pytest.approx(2e-4 + 64 * MB * 2e-10)
     assert costmodel.predict("shm", 16 * MB, 2, 2, LINK, host=HOST) == HOST.time(16 * MB)
 
 
@@ -86,12 +98,13 @@ def test_probe_measures_a_real_link_and_every_rank_agrees(world2: World) -> None
 
 def check_host_probe() -> tuple[float, ...]:
     world = lockstep.init()
-    host = costmodel.probe_host(Topology.build(world.rank, world.world_size, 2))
-    return host.fixed, host.per_byte, host.per_byte_cached
+    host = costmodel.probe_host(Topology.build(world.rank, world.world_size, 2),
+                                sizes=(MB, 4 * MB))
+    return (host.fixed, *host.per_byte)
 
 
 def test_host_probe_times_the_shared_memory_stage(world2: World) -> None:
-    for fixed, per_byte, per_byte_cached in world2.run(check_host_probe):
+    for fixed, *per_byte in world2.run(check_host_probe):
         assert 0 < fixed < 0.1            # barriers well within 100 ms
-        assert 0 < per_byte < 1e-8        # faster than 100 MB/s
-        assert 0 < per_byte_cached < 1e-8
+        assert len(per_byte) == 2
+        assert all(0 < rate < 1e-8 for rate in per_byte)  # faster than 100 MB/s
