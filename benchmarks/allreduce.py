@@ -82,7 +82,7 @@ def probe_costs(setting: str, world: lockstep.World) -> tuple[
     link inside a host, and the shared-memory stage among each host's ranks."""
     hosts, slow = world.num_hosts, setting == "100mbit"
     link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
-                           large_bytes=(2 * MB if slow else 16 * MB), repeats=2 if slow else 15)
+                           large_bytes=(2 * MB if slow else 32 * MB), repeats=2 if slow else 15)
     local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
     host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
                                                world.local_world_size))
