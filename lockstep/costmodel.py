@@ -15,9 +15,10 @@ turns them into a time per algorithm:
     ring (and native, which is a ring):  2(N-1) alpha + 2(N-1)/N S beta + (N-1)/N S gamma
     tree:         the critical path of reduce-up then broadcast-down a binary tree, each
                   message the whole bucket (simulated, since a parent takes its children
-                  one after the other)
-    shm:          within one host: fixed + S * per_byte, both probed on the shared-memory
-                  stage itself (`probe_host`), which is the "link" inside a host
+                  one after the other, and messages leaving one host share its link)
+    shm:          within one host: fixed + S * per_byte(S), both probed on the
+                  shared-memory stage itself (`probe_host`), which is the "link" inside a
+                  host; per_byte is interpolated between the probed sizes
     hierarchical: shm inside each host, then a ring among the H hosts carrying the whole
                   bucket over each host's link (its L slices travel side by side)
 
