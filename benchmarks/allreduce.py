@@ -54,9 +54,14 @@ def worker(setting: str, rounds: int, out: Path) -> None:
     predicted: dict[tuple[str, int], list[float]] = {}
     for round_ in range(rounds):
         # Each round probes again before it measures: a shared machine's speed drifts, and
-        # a prediction is fairly judged only against what it was made for.
-        link, local, host = probe_costs(setting, world)
+        # a prediction is fairly judged only against what it was made for. For the same
+        # reason the host stage is probed just before the algorithms that use it.
+        link, local = probe_links(setting, world)
+        host = None
         for algorithm in spec["algorithms"]:
+            if algorithm in ("shm", "hierarchical") and host is None:
+                host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
+                                                           world.local_world_size))
             for nbytes in sizes:
                 algo = make_algorithm(algorithm, None, world.local_world_size)
                 try:
@@ -77,20 +82,19 @@ def worker(setting: str, rounds: int, out: Path) -> None:
                                    "hosts": world.num_hosts, "rounds": rounds,
                                    "link": costmodel.describe(link),
                                    "local": costmodel.describe(local),
-                                   "host": costmodel.describe_host(host), "rows": rows}))
+                                   "host": costmodel.describe_host(host) if host else "-",
+                                   "rows": rows}))
 
 
-def probe_costs(setting: str, world: lockstep.World) -> tuple[
-        costmodel.LinkCost, costmodel.LinkCost, costmodel.HostCost]:
-    """The slowest link a flat algorithm crosses (to another host if there is one), a
-    link inside a host, and the shared-memory stage among each host's ranks."""
+def probe_links(setting: str, world: lockstep.World) -> tuple[
+        costmodel.LinkCost, costmodel.LinkCost]:
+    """The slowest link a flat algorithm crosses (to another host if there is one), and a
+    link inside a host."""
     hosts, slow = world.num_hosts, setting == "100mbit"
     link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
                            large_bytes=(2 * MB if slow else 32 * MB), repeats=2 if slow else 15)
     local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
-    host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
-                                               world.local_world_size))
-    return link, local, host
+    return link, local
 
 
 def launch_setting(setting: str, rounds: int | None, out: Path) -> dict[str, object] | None:
