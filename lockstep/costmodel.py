@@ -16,9 +16,9 @@ turns them into a time per algorithm:
     tree:         the critical path of reduce-up then broadcast-down a binary tree, each
                   message the whole bucket (simulated, since a parent takes its children
                   one after the other, and messages leaving one host share its link)
-    shm:          within one host: fixed + S * per_byte(S), both probed on the
+    shm:          within one host: fixed + the time S adds, both probed on the
                   shared-memory stage itself (`probe_host`), which is the "link" inside a
-                  host; per_byte is interpolated between the probed sizes
+                  host; the time is interpolated between the probed sizes
     hierarchical: shm inside each host, then a ring among the H hosts carrying the whole
                   bucket over each host's link (its L slices travel side by side)
 
@@ -78,7 +78,9 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
     receives and sums its children in order, then sends up; then the sum comes down. An
     edge between ranks on one host costs `local`, between hosts `link`; messages leaving
     one host take turns on its link (a parent and its child on one host can both be
-    sending across at once, as 0 and 1 are when 4 ranks sit 2 to a host)."""
+    sending across at once, as 0 and 1 are when 4 ranks sit 2 to a host). The turns are
+    given in rank order, not in order of readiness: exact for 2 ranks per host, an
+    approximation (within ~30% up to 64 ranks) for more."""
     n, local, per_host = world_size, local or link, local_world_size or world_size
     link_free: dict[int, float] = {}  # per host: when its outgoing link is next idle
 
@@ -111,33 +113,41 @@ def tree_time(link: LinkCost, world_size: int, nbytes: float,
 @dataclass(frozen=True)
 class HostCost:
     """The shared-memory stage inside a host (shm, and hierarchical's first and last
-    steps): a fixed cost -- its barriers -- and a per-byte cost that depends on the bucket's
-    size. Probed on the stage itself, like a link: summing what another core just wrote,
-    and writing where another core will read, costs more than gamma's private buffers
-    (cache lines cross between cores), and a bucket whose copies still fit the caches runs
-    two to four times faster than one that spills to memory. Rather than guess where the
-    caches end, the probe times a few sizes two octaves apart and the per-byte cost in
-    between is interpolated on log size (held flat beyond the ends)."""
+    steps): a fixed cost -- its barriers -- and the time each bucket byte adds, which
+    depends on the bucket's size. Probed on the stage itself, like a link: summing what
+    another core just wrote, and writing where another core will read, costs more than
+    gamma's private buffers (cache lines cross between cores), and a bucket whose copies
+    still fit the caches runs two to four times faster than one that spills to memory.
+    Rather than guess where the caches end, the probe times a few sizes two octaves apart;
+    between them the time is interpolated linearly (so it reproduces every probe and grows
+    with the bucket), and beyond the ends the nearest end's seconds per byte holds."""
 
     fixed: float
     sizes: tuple[int, ...]
     """Probed bucket sizes in bytes, ascending."""
-    per_byte: tuple[float, ...]
-    """Seconds per bucket byte at each probed size, the fixed cost taken out."""
+    seconds: tuple[float, ...]
+    """The stage's time at each probed size beyond the fixed cost."""
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"HostCost needs one time per probed size; got sizes "
+                             f"{self.sizes} and times {self.seconds}")
+        if self.sizes[0] <= 0 or any(b <= a for a, b in itertools.pairwise(self.sizes)):
+            raise ValueError(f"HostCost's probed sizes must be positive and ascending, "
+                             f"got {self.sizes}")
+        if self.fixed < 0 or any(t <= 0 for t in self.seconds):
+            raise ValueError(f"HostCost's times must be positive, got fixed {self.fixed} "
+                             f"and {self.seconds}")
 
     def time(self, nbytes: float) -> float:
         """One bucket of `nbytes`."""
-        return self.fixed + nbytes * self.per_byte_at(nbytes)
-
-    def per_byte_at(self, nbytes: float) -> float:
-        sizes, rates = self.sizes, self.per_byte
-        if nbytes <= sizes[0]:
-            return rates[0]
-        for (lo, rate_lo), (hi, rate_hi) in itertools.pairwise(zip(sizes, rates, strict=True)):
+        points = list(zip(self.sizes, self.seconds, strict=True))
+        if nbytes <= points[0][0]:
+            return self.fixed + nbytes * points[0][1] / points[0][0]
+        for (lo, t_lo), (hi, t_hi) in itertools.pairwise(points):
             if nbytes <= hi:
-                weight = math.log(nbytes / lo) / math.log(hi / lo)
-                return rate_lo + weight * (rate_hi - rate_lo)
-        return rates[-1]
+                return self.fixed + t_lo + (nbytes - lo) / (hi - lo) * (t_hi - t_lo)
+        return self.fixed + nbytes * points[-1][1] / points[-1][0]
 
 
 def predict(algorithm: str, nbytes: float, world_size: int, local_world_size: int,
@@ -198,14 +208,14 @@ def probe_host(topology: Topology, timeout_s: float | None = None,
                          else timeout_s)
     try:
         fixed = time_reduction(stage, 4 << 10)
-        # A ratio per size, not a slope between sizes: one noisy time each, not two. A
-        # busy neighbour can inflate the fixed cost past a small bucket's whole time; it
-        # is never let take more than half of one.
         seconds = [time_reduction(stage, n) for n in sizes]
-        per_byte = tuple(max(t - fixed, t / 2) / n for t, n in zip(seconds, sizes, strict=True))
     finally:
         stage.close()
-    return HostCost(fixed, tuple(sizes), per_byte)
+    # Ranks arriving out of step (after a barrier across a slow link, or a busy
+    # neighbour) can inflate the 4 KB time past a larger bucket's whole time; the fixed
+    # cost is never let take more than half of the smallest probe's.
+    fixed = min(fixed, min(seconds) / 2)
+    return HostCost(fixed, tuple(sizes), tuple(t - fixed for t in seconds))
 
 
 def _timed(fn: object, repeats: int) -> float:
@@ -284,8 +294,8 @@ def describe(link: LinkCost) -> str:
 
 
 def describe_host(host: HostCost) -> str:
-    rates = ", ".join(f"{1 / rate / 1e9:.1f} at {_size(size)}"
-                      for size, rate in zip(host.sizes, host.per_byte, strict=True))
+    rates = ", ".join(f"{size / seconds / 1e9:.1f} at {_size(size)}"
+                      for size, seconds in zip(host.sizes, host.seconds, strict=True))
     return f"fixed {host.fixed * 1e6:.0f} us, GB/s {rates}"
 
 

@@ -42,26 +42,40 @@ def test_tree_parent_takes_its_children_one_after_the_other() -> None:
 
 
 def test_tree_messages_leaving_one_host_take_turns_on_its_link() -> None:
-    # 4 ranks, 2 per host: 3 -> 1 and 2 -> 0 both leave host 1, one after the other, and
-    # on the way down 0 -> 2 and 1 -> 3 both leave host 0. Edges inside a host are free.
+    # 4 ranks, 2 per host: on the way down, 0 -> 2 and 1 -> 3 both leave host 0 at once
+    # and take turns on its link (on the way up, 2 -> 0 waits for 0 to sum 1 anyway).
+    # Edges inside a host are free.
     size, free = 4 * MB, LinkCost(alpha=0.0, beta=0.0, gamma=0.0, beta_one_way=0.0)
     message = 1e-4 + size * 5e-10
     assert costmodel.tree_time(LINK, 4, size, free, 2) == pytest.approx(
         4 * message + 3 * size * 1e-10)  # 1 sums 3, then 0 sums 1 and 2
 
 
-HOST = HostCost(fixed=2e-4, sizes=(2 * MB, 8 * MB, 32 * MB), per_byte=(5e-11, 1e-10, 2e-10))
+HOST = HostCost(fixed=2e-4, sizes=(2 * MB, 8 * MB, 32 * MB), seconds=(1e-4, 8e-4, 6.4e-3))
 
 
-def test_the_host_stage_interpolates_its_probed_rates_on_log_size() -> None:
-    # At a probed size, its own rate; halfway between two (in octaves), halfway between
-    # their rates; beyond the ends, the nearest end's rate.
-    assert HOST.time(8 * MB) == pytest.approx(2e-4 + 8 * MB * 1e-10)
-    assert HOST.time(4 * MB) == pytest.approx(2e-4 + 4 * MB * 7.5e-11)
-    assert HOST.time(16 * MB) == pytest.approx(2e-4 + 16 * MB * 1.5e-10)
-    assert HOST.time(MB) == pytest.approx(2e-4 + MB * 5e-11)
-    assert HOST.time(64 * MB) == pytest.approx(2e-4 + 64 * MB * 2e-10)
+def test_the_host_stage_reproduces_its_probes_and_interpolates_between_them() -> None:
+    # At a probed size, what was measured; between two, a straight line; beyond the ends,
+    # the nearest end's seconds per byte.
+    assert HOST.time(8 * MB) == pytest.approx(2e-4 + 8e-4)
+    assert HOST.time(4 * MB) == pytest.approx(2e-4 + 1e-4 + (2 / 6) * 7e-4)
+    assert HOST.time(16 * MB) == pytest.approx(2e-4 + 8e-4 + (8 / 24) * 5.6e-3)
+    assert HOST.time(MB) == pytest.approx(2e-4 + 0.5e-4)
+    assert HOST.time(64 * MB) == pytest.approx(2e-4 + 2 * 6.4e-3)
+    times = [HOST.time(n * MB) for n in (0, 1, 2, 3, 5, 8, 13, 32, 50)]
+    assert times == sorted(times)
     assert costmodel.predict("shm", 16 * MB, 2, 2, LINK, host=HOST) == HOST.time(16 * MB)
+    single = HostCost(fixed=1e-4, sizes=(MB,), seconds=(1e-3,))
+    assert single.time(4 * MB) == pytest.approx(1e-4 + 4e-3)
+
+
+def test_the_host_stage_refuses_probes_it_cannot_interpolate() -> None:
+    with pytest.raises(ValueError, match="one time per probed size"):
+        HostCost(fixed=1e-4, sizes=(MB, 2 * MB), seconds=(1e-3,))
+    with pytest.raises(ValueError, match="positive and ascending"):
+        HostCost(fixed=1e-4, sizes=(2 * MB, MB), seconds=(1e-3, 2e-3))
+    with pytest.raises(ValueError, match="must be positive"):
+        HostCost(fixed=1e-4, sizes=(MB,), seconds=(0.0,))
 
 
 def test_hierarchical_is_the_host_stage_plus_a_ring_among_hosts() -> None:
@@ -100,11 +114,11 @@ def check_host_probe() -> tuple[float, ...]:
     world = lockstep.init()
     host = costmodel.probe_host(Topology.build(world.rank, world.world_size, 2),
                                 sizes=(MB, 4 * MB))
-    return (host.fixed, *host.per_byte)
+    return (host.fixed, *host.seconds)
 
 
 def test_host_probe_times_the_shared_memory_stage(world2: World) -> None:
-    for fixed, *per_byte in world2.run(check_host_probe):
+    for fixed, *seconds in world2.run(check_host_probe):
         assert 0 < fixed < 0.1            # barriers well within 100 ms
-        assert len(per_byte) == 2
-        assert all(0 < rate < 1e-8 for rate in per_byte)  # faster than 100 MB/s
+        assert len(seconds) == 2
+        assert all(0 < t < 0.04 for t in seconds)  # 4 MB faster than 100 MB/s
