@@ -63,19 +63,21 @@ def worker(setting: str, rounds: int, out: Path) -> None:
             if algorithm in ("shm", "hierarchical") and host is None:
                 host = costmodel.probe_host(Topology.build(world.rank, world.world_size,
                                                            world.local_world_size))
-            for nbytes in sizes:
-                algo = make_algorithm(algorithm, None, world.local_world_size)
-                try:
+            # One instance for every size, as DataParallel keeps one for every bucket
+            # (ring and tree make a process group each time one is built).
+            algo = make_algorithm(algorithm, None, world.local_world_size)
+            try:
+                for nbytes in sizes:
                     seconds = costmodel.time_reduction(algo, nbytes)
-                finally:
-                    algo.close()
-                guess = costmodel.predict(algorithm, nbytes, world.world_size,
-                                          world.local_world_size, link, local, host)
-                measured.setdefault((algorithm, nbytes), []).append(seconds)
-                predicted.setdefault((algorithm, nbytes), []).append(guess)
-                if world.is_main:
-                    print(f"  {setting:8s} round {round_ + 1}/{rounds} {algorithm:12s} "
-                          f"{nbytes / KB:8.0f} KB  {seconds * 1e3:9.2f} ms", flush=True)
+                    guess = costmodel.predict(algorithm, nbytes, world.world_size,
+                                              world.local_world_size, link, local, host)
+                    measured.setdefault((algorithm, nbytes), []).append(seconds)
+                    predicted.setdefault((algorithm, nbytes), []).append(guess)
+                    if world.is_main:
+                        print(f"  {setting:8s} round {round_ + 1}/{rounds} {algorithm:12s} "
+                              f"{nbytes / KB:8.0f} KB  {seconds * 1e3:9.2f} ms", flush=True)
+            finally:
+                algo.close()
     if world.is_main:
         # The error is taken per round (each prediction against its own measurement),
         # then the median over rounds; the times shown are each one's median.
@@ -137,7 +139,7 @@ def report(result: dict[str, object]) -> list[str]:
             r = table[(a, size)]
             cells.append(f"{costmodel.bus_bandwidth(size, r['seconds'], n) / 1e9:8.3f} / "
                          f"{costmodel.bus_bandwidth(size, r['predicted'], n) / 1e9:8.3f}")
-        print(f"{_size(size):>9s} " + " ".join(f"{c:>19s}" for c in cells))
+        print(f"{costmodel.size_label(size):>9s} " + " ".join(f"{c:>19s}" for c in cells))
     return _targets(result["setting"], table, algorithms, sizes)  # type: ignore[arg-type]
 
 
@@ -167,10 +169,6 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
     return int(text)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes // MB} MB" if nbytes >= MB else f"{nbytes // KB} KB"
 
 
 def plot(results: list[dict[str, object]], out: Path) -> None:

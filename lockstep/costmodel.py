@@ -294,10 +294,11 @@ def describe(link: LinkCost) -> str:
 
 
 def describe_host(host: HostCost) -> str:
-    rates = ", ".join(f"{size / seconds / 1e9:.1f} at {_size(size)}"
+    rates = ", ".join(f"{size / seconds / 1e9:.1f} at {size_label(size)}"
                       for size, seconds in zip(host.sizes, host.seconds, strict=True))
     return f"fixed {host.fixed * 1e6:.0f} us, GB/s {rates}"
 
 
-def _size(nbytes: int) -> str:
+def size_label(nbytes: int) -> str:
+    """A message size as people write it: "512 KB", "32 MB"."""
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
