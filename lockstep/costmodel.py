@@ -229,9 +229,12 @@ def _timed(fn: object, repeats: int) -> float:
 
 def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkCost:
     """Measure the link between ranks `a` and `b` with the transports the algorithms use:
-    an all-reduce between just the two of them -- a tiny one gives alpha; beta is the slope
-    between a large one and one a quarter its size (for two ranks, t = 2 alpha + S beta +
-    S/2 gamma, plus per-message costs the slope cancels) -- and a large message from a to b
+    an all-reduce between just the two of them -- a tiny one gives alpha; beta is the
+    least-squares slope of its time over five sizes from `large_bytes`/16 to `large_bytes`
+    (for two ranks, t = 2 alpha + S beta + S/2 gamma, plus per-message costs the slope
+    cancels; on loopback the time per byte drifts with size as buffers outgrow the caches,
+    and a fit over the whole range spreads that drift rather than extrapolating one
+    octave's) -- and a large message from a to b
     sent back once it has arrived (t = 2 alpha + 2 S beta_one_way: a tree edge's traffic,
     the receiver's buffer as warm or cold as it is there). gamma comes first, from every
     rank summing at once (see `summing_cost`). Collective: every rank calls it and gets the
@@ -242,7 +245,7 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     me = comm.rank_of()
     if me in (a, b):
         tiny, large = torch.zeros(1), torch.zeros(large_bytes // 4)
-        quarter = large[: large.numel() // 4]
+        sizes = [large_bytes >> k for k in range(4, -1, -1)]  # 1/16 .. 1 of large_bytes
         peer = b if me == a else a
 
         def reduce(t: torch.Tensor) -> None:
@@ -260,8 +263,8 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
             reduce(large)
             there_and_back()
         alpha = _timed(lambda: reduce(tiny), repeats * 4) / 2
-        slope = (_timed(lambda: reduce(large), repeats) -
-                 _timed(lambda: reduce(quarter), repeats)) / (large_bytes * 3 / 4)
+        times = [_timed(lambda n=n: reduce(large[: n // 4]), repeats) for n in sizes]
+        slope = statistics.linear_regression(sizes, times).slope
         beta = max(slope - gamma / 2, 1e-15)
         beta_one_way = max(_timed(there_and_back, repeats) - 2 * alpha, 1e-12) / \
             (2 * large_bytes)
