@@ -114,10 +114,10 @@ def worker(args: argparse.Namespace) -> None:
         result = bench_model(name, args.rounds, args.steps, args.batch)
         if world.is_main:
             print(f"{name:22s} throughput ratio lockstep/DDP: {result['ratio']:.3f}   "
-                  f"sync efficiency lockstep {result['eff_lockstep']:.2f}, "
-                  f"DDP {result['eff_ddp']:.2f}   ({result['samples_per_s']:.0f} samples/s)\n"
+                  f"sync efficiency lockstep {result['eff_lockstep']:.3f}, "
+                  f"DDP {result['eff_ddp']:.3f}   ({result['samples_per_s']:.0f} samples/s)\n"
                   f"{'':22s} with algorithm='shm': ratio lockstep/DDP "
-                  f"{result['ratio_shm']:.3f}   sync efficiency {result['eff_shm']:.2f}",
+                  f"{result['ratio_shm']:.3f}   sync efficiency {result['eff_shm']:.3f}",
                   flush=True)
     world.shutdown()
 
