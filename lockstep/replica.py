@@ -24,7 +24,7 @@ from torch import nn
 from lockstep import comm
 from lockstep import zero as zero_mod
 from lockstep.algorithms import make_algorithm
-from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB
+from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.compress import make_compression
 from lockstep.diagnostics import reporter
 from lockstep.reducer import Reducer, trainable
@@ -84,7 +84,8 @@ class DataParallel(nn.Module):
 
     Args:
         module: the model, already on `lockstep.init().device`.
-        bucket_mb: cap on the size of one gradient bucket, in MiB.
+        bucket_mb: cap on the size of one gradient bucket, in MiB; by default 25, or 4
+            for algorithm="shm" (see buckets.default_bucket_mb).
         find_unused: allow parameters that get no gradient on some steps (costs one small
             extra all-reduce per step). Without it such a parameter is an error.
         broadcast_buffers: overwrite buffers (BatchNorm statistics) with rank 0's before
@@ -103,13 +104,14 @@ class DataParallel(nn.Module):
             module that owns parameters, i.e. each layer).
     """
 
-    def __init__(self, module: nn.Module, bucket_mb: float = 25.0, *, find_unused: bool = False,
-                 broadcast_buffers: bool = True,
+    def __init__(self, module: nn.Module, bucket_mb: float | None = None, *,
+                 find_unused: bool = False, broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
                  group: comm.Group = None, algorithm: str = "native",
                  compress: Any = None, zero: int = 0,
                  zero_unit: Callable[[nn.Module], bool] | None = None) -> None:
         super().__init__()
+        bucket_mb = default_bucket_mb(algorithm) if bucket_mb is None else bucket_mb
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.world = current()

@@ -89,8 +89,8 @@ class TrainConfig:
     """Average the loss over ranks and record metrics every this many steps."""
     progress: bool = True
     """Show a progress bar on rank 0."""
-    bucket_mb: float = 25.0
-    """DataParallel's gradient bucket cap."""
+    bucket_mb: float | None = None
+    """DataParallel's gradient bucket cap (None: its default for the algorithm)."""
     find_unused: bool = False
     """DataParallel's find_unused."""
     algorithm: str = "native"

@@ -95,6 +95,25 @@ def test_every_algorithm_trains_like_native(any_world: World) -> None:
         assert len({r[name][1] for r in per_rank}) == 1, f"{name}: replicas differ"
 
 
+def check_default_buckets() -> dict[str, list[float]]:
+    """Bucket caps left to DataParallel: 25 MB over a network, 4 MB through shared memory
+    (cache-sized). Six 2 MB weights, plus the first bucket's 1 MB cap."""
+    lockstep.init()
+    sizes = {}
+    for name in ("native", "shm"):
+        net = torch.nn.Sequential(*(torch.nn.Linear(1024, 512, bias=False) for _ in range(6)))
+        model = lockstep.DataParallel(net, algorithm=name)
+        sizes[name] = model.bucket_sizes_mb()
+        model.close()
+    return sizes
+
+
+def test_shm_defaults_to_cache_sized_buckets(world2: World) -> None:
+    sizes = world2.run(check_default_buckets)[0]
+    assert sizes["native"] == [2.0, 10.0]  # the first bucket, then everything else
+    assert sizes["shm"] == [2.0, 4.0, 4.0, 2.0]
+
+
 def check_shm_across_hosts_is_refused() -> str:
     world = lockstep.init()
     try:
