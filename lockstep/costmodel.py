@@ -233,12 +233,11 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
     least-squares slope of its time over five sizes from `large_bytes`/16 to `large_bytes`
     (for two ranks, t = 2 alpha + S beta + S/2 gamma, plus per-message costs the slope
     cancels; on loopback the time per byte drifts with size as buffers outgrow the caches,
-    and a fit over the whole range spreads that drift rather than extrapolating one
-    octave's) -- and a large message from a to b
-    sent back once it has arrived (t = 2 alpha + 2 S beta_one_way: a tree edge's traffic,
-    the receiver's buffer as warm or cold as it is there). gamma comes first, from every
-    rank summing at once (see `summing_cost`). Collective: every rank calls it and gets the
-    same LinkCost."""
+    and a fit over the whole range spreads that drift where a slope between two sizes
+    would extrapolate it) -- and a large message from a to b sent back once it has arrived
+    (t = 2 alpha + 2 S beta_one_way: a tree edge's traffic, the receiver's buffer as warm
+    or cold as it is there). gamma comes first, from every rank summing at once (see
+    `summing_cost`). Collective: every rank calls it and gets the same LinkCost."""
     gamma = summing_cost()
     pair = comm.new_group(sorted({a, b}))  # every rank takes part in creating it
     result = torch.zeros(3, dtype=torch.float64)
