@@ -36,13 +36,15 @@ from lockstep.topology import Topology
 KB, MB = 1024, 1024 * 1024
 SETTINGS = {
     # Loopback's "link" is the shared cores themselves, the noisiest: more rounds (~25 s
-    # each); a rate-limited link is steady, and a round there takes minutes.
+    # each); a rate-limited link is steady, and a round there takes minutes. The link
+    # probe's largest size ("probe_mb") spans the judged range (4 MB up) where a probe
+    # stays short; on the slowest link it repeats less.
     "loopback": {"hosts": 1, "algorithms": ["native", "ring", "tree", "shm"], "max": 64 * MB,
-                 "rounds": 5},
+                 "rounds": 5, "probe_mb": 64, "probe_repeats": 15},
     "1gbit": {"hosts": 2, "algorithms": ["native", "ring", "tree", "hierarchical"],
-              "max": 64 * MB, "rounds": 3},
+              "max": 64 * MB, "rounds": 3, "probe_mb": 32, "probe_repeats": 15},
     "100mbit": {"hosts": 2, "algorithms": ["native", "ring", "hierarchical"], "max": 16 * MB,
-                "rounds": 3},
+                "rounds": 3, "probe_mb": 2, "probe_repeats": 2},
 }
 SIZES = [4 * KB * 4 ** i for i in range(9)]  # 4 KB .. 64 MB
 
@@ -100,11 +102,9 @@ def probe_links(setting: str, world: lockstep.World) -> tuple[
         costmodel.LinkCost, costmodel.LinkCost]:
     """The slowest link a flat algorithm crosses (to another host if there is one), and a
     link inside a host."""
-    hosts, slow = world.num_hosts, setting == "100mbit"
-    # The probe's sizes span the judged range (4 MB up) where a probe stays short.
-    large = {"loopback": 64 * MB, "1gbit": 32 * MB, "100mbit": 2 * MB}[setting]
-    link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1, large_bytes=large,
-                           repeats=2 if slow else 15)
+    spec, hosts = SETTINGS[setting], world.num_hosts
+    link = costmodel.probe(0, world.local_world_size if hosts > 1 else 1,
+                           large_bytes=spec["probe_mb"] * MB, repeats=spec["probe_repeats"])
     local = costmodel.probe(0, 1) if hosts > 1 and world.local_world_size > 1 else link
     return link, local
 

@@ -196,7 +196,8 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
 
 HOST_PROBE_SIZES = (512 << 10, 2 << 20, 8 << 20, 32 << 20)
 """Two octaves apart, from where the fixed cost stops dominating to well past the caches:
-the range DataParallel's buckets live in (1 MB first, 25 MB by default)."""
+the range DataParallel's buckets live in (1 MB first, then 4 MB for shm and 25 MB for
+hierarchical by default)."""
 
 
 def probe_host(topology: Topology, timeout_s: float | None = None,
