@@ -10,6 +10,8 @@ test accuracy and final test loss side by side, with the gap to the baseline.
 
     python benchmarks/convergence.py                       # everything (~45 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
+    python benchmarks/convergence.py --tasks chargpt --variants fp32 PowerSGD-4 \
+        --chargpt-steps 1913 --out runs/bench/convergence-epoch   # one epoch of the text
 """
 
 from __future__ import annotations
@@ -71,12 +73,15 @@ def build(task: str) -> tuple[torch.nn.Module, Any, Any, Any]:
             lambda p: torch.optim.AdamW(p, weight_decay=0.1))
 
 
-def worker(task: str, variant: str, out: Path) -> None:
+def worker(task: str, variant: str, out: Path, max_steps: int | None) -> None:
     world = lockstep.init()
     model, train, test, optimizer = build(task)
-    warmup = TASKS[task]["config"]["warmup_steps"]
-    overrides = {k: (v(warmup) if callable(v) else v) for k, v in VARIANTS[variant].items()}
-    config = lockstep.TrainConfig(**TASKS[task]["config"], run_dir=str(out.parent / variant),
+    recipe: dict[str, Any] = dict(TASKS[task]["config"])
+    if max_steps:
+        recipe["max_steps"] = max_steps  # the cosine decay stretches with it
+    overrides = {k: (v(recipe["warmup_steps"]) if callable(v) else v)
+                 for k, v in VARIANTS[variant].items()}
+    config = lockstep.TrainConfig(**recipe, run_dir=str(out.parent / variant),
                                   resume="never", progress=False, log_every_steps=10,
                                   **overrides)
     summary = lockstep.Trainer(model, optimizer, train, test, config=config).fit()
@@ -100,10 +105,13 @@ def main() -> int:
     p.add_argument("--out", default="runs/bench/convergence")
     p.add_argument("--reuse", action="store_true",
                    help="report finished variants from their saved results instead of rerunning")
+    p.add_argument("--chargpt-steps", type=int, default=None,
+                   help="train the char-GPT this many steps instead of 1000 (an epoch is 1913)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.worker[0], args.worker[1], Path(args.worker[2]))
+        steps = args.chargpt_steps if args.worker[0] == "chargpt" else None
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]), steps)
         return 0
     for task in args.tasks:
         results = {}
@@ -116,11 +124,16 @@ def main() -> int:
             print(f"{task} / {variant} ...", flush=True)
             shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
-                                  args=["--worker", task, variant, str(out)]))
+                                  args=["--worker", task, variant, str(out)]
+                                  + _steps_flag(args.chargpt_steps)))
             if code == 0:
                 results[variant] = json.loads(out.read_text())
         report(task, results)
     return 0
+
+
+def _steps_flag(steps: int | None) -> list[str]:
+    return ["--chargpt-steps", str(steps)] if steps else []
 
 
 def report(task: str, results: dict[str, dict[str, Any]]) -> None:
