@@ -2,7 +2,7 @@
 
 Each variant is a full Trainer run with 2 workers, on the demo task (the small CNN on real
 MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text), seeing the same number of
-samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4 and 16, TopK 1% and
+samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, 8 and 16, TopK 1% and
 10%, each sent whole through the learning-rate warm-up), and the low-communication modes
 (local SGD every 10 steps, DiLoCo every 50, an asynchronous parameter server with staleness
 bound 4 -- which runs 3 ranks: a server and 2 workers), against synchronous fp32. Prints
@@ -37,6 +37,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fp16": {"precision": "fp16"},
     # Compressors send whole through the learning-rate warm-up (their argument).
     "PowerSGD-4": {"compress": lambda warmup: lockstep.PowerSGD(rank=4, warmup_steps=warmup)},
+    "PowerSGD-8": {"compress": lambda warmup: lockstep.PowerSGD(rank=8, warmup_steps=warmup)},
     "PowerSGD-16": {"compress": lambda warmup: lockstep.PowerSGD(rank=16, warmup_steps=warmup)},
     # Rank 4 only where it shrinks a matrix 16x or more: the char-GPT's embeddings (its
     # output layer, tied, and the positions; 12-14x at rank 4) travel whole.
