@@ -8,7 +8,7 @@ samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, 8 and 16, T
 bound 4 -- which runs 3 ranks: a server and 2 workers), against synchronous fp32. Prints
 test accuracy and final test loss side by side, with the gap to the baseline.
 
-    python benchmarks/convergence.py                       # everything (~45 minutes)
+    python benchmarks/convergence.py                       # everything (~50 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
     python benchmarks/convergence.py --tasks chargpt --variants fp32 PowerSGD-4 \
         --chargpt-steps 1913 --out runs/bench/convergence-epoch   # one epoch of the text
