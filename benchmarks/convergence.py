@@ -110,9 +110,10 @@ def main() -> int:
                    help="train the char-GPT this many steps instead of 1000 (an epoch is 1913)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.chargpt_steps is not None and args.chargpt_steps < 1:
+        p.error(f"--chargpt-steps must be at least 1, got {args.chargpt_steps}")
     if args.worker:
-        steps = args.chargpt_steps if args.worker[0] == "chargpt" else None
-        worker(args.worker[0], args.worker[1], Path(args.worker[2]), steps)
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]), args.chargpt_steps)
         return 0
     for task in args.tasks:
         results = {}
@@ -126,15 +127,16 @@ def main() -> int:
             shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
                                   args=["--worker", task, variant, str(out)]
-                                  + _steps_flag(args.chargpt_steps)))
+                                  + _steps_flag(task, args.chargpt_steps)))
             if code == 0:
                 results[variant] = json.loads(out.read_text())
         report(task, results)
     return 0
 
 
-def _steps_flag(steps: int | None) -> list[str]:
-    return ["--chargpt-steps", str(steps)] if steps else []
+def _steps_flag(task: str, steps: int | None) -> list[str]:
+    """The worker's flag for a longer char-GPT run; other tasks keep their recipe."""
+    return ["--chargpt-steps", str(steps)] if task == "chargpt" and steps else []
 
 
 def report(task: str, results: dict[str, dict[str, Any]]) -> None:
