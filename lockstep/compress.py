@@ -13,7 +13,9 @@ compose.
   P = M Q, all-reduced and orthonormalised; Q = M^T P, all-reduced. What the approximation
   missed is kept and added to the next step's gradient (error feedback), so nothing is lost
   for good (Vogels et al. 2019). Vectors and small matrices travel uncompressed, and the
-  first `warmup_steps` steps are sent whole while the warm-started Q settles.
+  first `warmup_steps` steps are sent whole while the warm-started Q settles. With
+  `wire_dtype="bf16"` the factors and the uncompressed part travel in 16 bits, half the
+  bytes; error feedback takes up the rounding too.
 - TopK(ratio): each rank sends only its largest `ratio` of entries (values and indices,
   all-gathered) and keeps the rest as error feedback; it too takes `warmup_steps`.
 
@@ -77,12 +79,14 @@ class Compression:
             self._worker.close()
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 class Cast(Compression):
     def __init__(self, dtype: str) -> None:
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        if dtype not in dtypes:
+        if dtype not in HALF_DTYPES:
             raise ValueError(f"cast compression is 'bf16' or 'fp16', not {dtype!r}")
-        self.name, self.dtype = dtype, dtypes[dtype]
+        self.name, self.dtype = dtype, HALF_DTYPES[dtype]
 
     def start(self, bucket: Bucket) -> Handle:
         """No thread: the cast is cheap, so the narrow all-reduce starts at once on the
@@ -111,16 +115,21 @@ class PowerSGD(Compression):
         warmup_steps: steps sent uncompressed first.
         min_compression: compress a matrix only if it shrinks at least this many times.
         seed: seeds the initial Q, identically on every rank.
+        wire_dtype: None to send fp32, or "bf16" / "fp16" to send the factors and the
+            uncompressed part in half the bytes (warm-up steps still go in fp32).
     """
 
     name = "powersgd"
 
     def __init__(self, rank: int = 4, warmup_steps: int = 10, min_compression: float = 2.0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, wire_dtype: str | None = None) -> None:
         if rank < 1:
             raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+        if wire_dtype is not None and wire_dtype not in HALF_DTYPES:
+            raise ValueError(f"PowerSGD wire_dtype is None, 'bf16' or 'fp16', not {wire_dtype!r}")
         self.rank, self.warmup_steps = rank, warmup_steps
         self.min_compression, self.seed = min_compression, seed
+        self.wire_dtype = HALF_DTYPES[wire_dtype] if wire_dtype else torch.float32
         self._errors: dict[int, torch.Tensor] = {}  # per parameter: what was not sent yet
         self._qs: dict[int, torch.Tensor] = {}      # per parameter: last step's Q
 
@@ -141,7 +150,7 @@ class PowerSGD(Compression):
                 vectors.append(v)
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
-            whole = torch.cat([v.reshape(-1) for v in vectors])
+            whole = torch.cat([v.reshape(-1) for v in vectors]).to(self.wire_dtype)
             in_flight = comm.all_reduce_async(whole, f"PowerSGD uncompressed part of {label}",
                                               self.group)
             self.sent_bytes += whole.numel() * whole.element_size()
@@ -178,13 +187,14 @@ class PowerSGD(Compression):
         return self._qs[key]
 
     def _all_reduce_list(self, tensors: list[torch.Tensor], what: str) -> None:
-        flat = torch.cat([t.reshape(-1) for t in tensors])
+        flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.wire_dtype)
         self._all_reduce(flat, what)
         _copy_back(flat, tensors)
 
 
 def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy `flat`, laid out as torch.cat of the flattened `tensors`, back into them."""
+    """Copy `flat`, laid out as torch.cat of the flattened `tensors`, back into them
+    (widening it to their dtype if it travelled narrower)."""
     torch._foreach_copy_(tensors, list(_unflatten_dense_tensors(flat, tensors)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import lockstep
@@ -101,12 +102,13 @@ def test_powersgd_and_topk_send_less_and_approximate(world2: World) -> None:
     assert best < 1e-6 < worst
 
 
-def check_powersgd_error_feedback_is_lossless_in_sum() -> float:
+def check_powersgd_error_feedback_is_lossless_in_sum(wire_dtype: str | None) -> float:
     """Error feedback loses nothing: the approximation plus every rank's kept error equals
-    the exact sum of the gradients."""
+    the exact sum of the gradients -- the rounding of 16-bit factors included."""
     world = lockstep.init()
     net, ref = make_model("mlp"), make_model("mlp")
-    compressor = lockstep.PowerSGD(rank=1, warmup_steps=0, min_compression=1.0)
+    compressor = lockstep.PowerSGD(rank=1, warmup_steps=0, min_compression=1.0,
+                                   wire_dtype=wire_dtype)
     model, exact = lockstep.DataParallel(net, compress=compressor), lockstep.DataParallel(ref)
     x, y = batch("mlp", world.rank, 16)
     loss_of("mlp", model, x, y).backward()
@@ -121,19 +123,34 @@ def check_powersgd_error_feedback_is_lossless_in_sum() -> float:
 
 
 def test_powersgd_error_feedback_keeps_what_it_did_not_send(world: World) -> None:
-    assert max(world.run(check_powersgd_error_feedback_is_lossless_in_sum)) < 1e-6
+    for wire_dtype in (None, "bf16"):
+        assert max(world.run(check_powersgd_error_feedback_is_lossless_in_sum, wire_dtype)) < 1e-6
 
 
-def check_powersgd_bytes_on_char_gpt() -> float:
+def check_powersgd_on_char_gpt(wire_dtype: str | None) -> tuple[float, list[torch.Tensor]]:
+    """One compressed step of the char-GPT: the bytes ratio and the reduced gradients."""
     lockstep.init()
     torch.manual_seed(0)
-    model = lockstep.DataParallel(CharGPT(vocab=63),
-                                  compress=lockstep.PowerSGD(rank=4, warmup_steps=0))
+    net = CharGPT(vocab=63)
+    model = lockstep.DataParallel(net, compress=lockstep.PowerSGD(
+        rank=4, warmup_steps=0, wire_dtype=wire_dtype))
+    torch.manual_seed(lockstep.comm.rank_of())  # each rank its own batch
     model(torch.randint(0, 63, (4, 64))).sum().backward()
     ratio = model.comm_stats()["compression_ratio"]
     model.close()
-    return ratio
+    return ratio, [p.grad for p in net.parameters()]
 
 
 def test_powersgd_rank4_sends_20x_less_on_the_char_gpt(world2: World) -> None:
-    assert world2.run(check_powersgd_bytes_on_char_gpt)[0] >= 20
+    (ratio, grads), _ = world2.run(check_powersgd_on_char_gpt, None)
+    assert ratio >= 20
+    (ratio_bf16, grads_bf16), (_, other_rank) = world2.run(check_powersgd_on_char_gpt, "bf16")
+    assert ratio_bf16 == pytest.approx(2 * ratio, rel=1e-12)  # every number in 16 bits
+    for exact, narrow, twin in zip(grads, grads_bf16, other_rank, strict=True):
+        assert torch.equal(narrow, twin)  # replicas still agree bit for bit
+        assert (narrow - exact).norm() <= 2 ** -6 * exact.norm()  # close to the fp32 factors
+
+
+def test_powersgd_refuses_an_unknown_wire_dtype() -> None:
+    with pytest.raises(ValueError, match="wire_dtype is None, 'bf16' or 'fp16'"):
+        lockstep.PowerSGD(rank=4, wire_dtype="int8")
