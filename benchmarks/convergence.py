@@ -2,16 +2,19 @@
 
 Each variant is a full Trainer run with 2 workers, on the demo task (the small CNN on real
 MNIST digits, as `lockstep demo`) and on the char-GPT (KJV text), seeing the same number of
-samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, 8 and 16, TopK 1% and
-10%, each sent whole through the learning-rate warm-up), and the low-communication modes
-(local SGD every 10 steps, DiLoCo every 50, an asynchronous parameter server with staleness
-bound 4 -- which runs 3 ranks: a server and 2 workers), against synchronous fp32. Prints
-test accuracy and final test loss side by side, with the gap to the baseline.
+samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, 8, 12 and 16, rank 8
+and 12 with bf16 factors, TopK 1% and 10%, each sent whole through the learning-rate
+warm-up), and the low-communication modes (local SGD every 10 steps, DiLoCo every 50, an
+asynchronous parameter server with staleness bound 4 -- which runs 3 ranks: a server and 2
+workers), against synchronous fp32. Prints test accuracy and final test loss side by side,
+with the gap to the baseline.
 
-    python benchmarks/convergence.py                       # everything (~50 minutes)
+    python benchmarks/convergence.py                       # everything (~60 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
     python benchmarks/convergence.py --tasks chargpt --variants fp32 PowerSGD-4 \
         --chargpt-steps 1913 --out runs/bench/convergence-epoch   # one epoch of the text
+    python benchmarks/convergence.py --tasks chargpt --variants fp32 PowerSGD-12-bf16 \
+        --seed 1 --out runs/bench/convergence-seed1    # another initialisation and data order
 """
 
 from __future__ import annotations
@@ -39,6 +42,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "PowerSGD-4": {"compress": lambda warmup: lockstep.PowerSGD(rank=4, warmup_steps=warmup)},
     "PowerSGD-8": {"compress": lambda warmup: lockstep.PowerSGD(rank=8, warmup_steps=warmup)},
     "PowerSGD-16": {"compress": lambda warmup: lockstep.PowerSGD(rank=16, warmup_steps=warmup)},
+    "PowerSGD-12": {"compress": lambda warmup: lockstep.PowerSGD(rank=12, warmup_steps=warmup)},
+    # Factors in bf16: half the bytes of the same rank.
+    "PowerSGD-8-bf16": {"compress": lambda warmup: lockstep.PowerSGD(
+        rank=8, warmup_steps=warmup, wire_dtype="bf16")},
+    "PowerSGD-12-bf16": {"compress": lambda warmup: lockstep.PowerSGD(
+        rank=12, warmup_steps=warmup, wire_dtype="bf16")},
     # Rank 4 only where it shrinks a matrix 16x or more: the char-GPT's embeddings (its
     # output layer, tied, and the positions; 12-14x at rank 4) travel whole.
     "PowerSGD-4-min16": {"compress": lambda warmup: lockstep.PowerSGD(
@@ -64,8 +73,8 @@ TASKS = {
 }
 
 
-def build(task: str) -> tuple[torch.nn.Module, Any, Any, Any]:
-    torch.manual_seed(0)
+def build(task: str, seed: int) -> tuple[torch.nn.Module, Any, Any, Any]:
+    torch.manual_seed(seed)
     if task == "mnist":
         train, test = data.mnist()
         return small_cnn(), train, test, lambda p: torch.optim.Adam(p)
@@ -74,12 +83,12 @@ def build(task: str) -> tuple[torch.nn.Module, Any, Any, Any]:
             lambda p: torch.optim.AdamW(p, weight_decay=0.1))
 
 
-def worker(task: str, variant: str, out: Path, max_steps: int | None) -> None:
+def worker(task: str, variant: str, out: Path, asked: dict[str, Any]) -> None:
     world = lockstep.init()
-    model, train, test, optimizer = build(task)
-    recipe: dict[str, Any] = dict(TASKS[task]["config"])
-    if max_steps:
-        recipe["max_steps"] = max_steps  # the cosine decay stretches with it
+    model, train, test, optimizer = build(task, asked["seed"])
+    recipe: dict[str, Any] = dict(TASKS[task]["config"], seed=asked["seed"])  # data order
+    if asked["chargpt_steps"]:
+        recipe["max_steps"] = asked["chargpt_steps"]  # the cosine decay stretches with it
     overrides = {k: (v(recipe["warmup_steps"]) if callable(v) else v)
                  for k, v in VARIANTS[variant].items()}
     config = lockstep.TrainConfig(**recipe, run_dir=str(out.parent / variant),
@@ -88,7 +97,8 @@ def worker(task: str, variant: str, out: Path, max_steps: int | None) -> None:
     summary = lockstep.Trainer(model, optimizer, train, test, config=config).fit()
     if world.is_main:
         summary.pop("server", None)
-        out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant)}))
+        out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant),
+                                   "asked": asked}))
 
 
 def _bytes(run_dir: Path) -> float:
@@ -105,33 +115,46 @@ def main() -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default="runs/bench/convergence")
     p.add_argument("--reuse", action="store_true",
-                   help="report finished variants from their saved results instead of rerunning")
+                   help="report finished variants from their saved results (those run with the "
+                        "same --seed and --chargpt-steps) instead of rerunning")
     p.add_argument("--chargpt-steps", type=int, default=None,
                    help="train the char-GPT this many steps instead of 1000 (an epoch is 1913)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the model's initialisation and the data order")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.chargpt_steps is not None and args.chargpt_steps < 1:
         p.error(f"--chargpt-steps must be at least 1, got {args.chargpt_steps}")
     if args.worker:
-        worker(args.worker[0], args.worker[1], Path(args.worker[2]), args.chargpt_steps)
+        task, variant, out = args.worker
+        worker(task, variant, Path(out), _asked(task, args))
         return 0
     for task in args.tasks:
+        asked = _asked(task, args)
         results = {}
         for variant in args.variants:
             out = (Path(args.out) / task / f"{variant}.json").resolve()
             out.parent.mkdir(parents=True, exist_ok=True)
             if args.reuse and out.exists():
-                results[variant] = json.loads(out.read_text())
-                continue
+                saved = json.loads(out.read_text())
+                if saved.get("asked", {"chargpt_steps": None, "seed": 0}) == asked:
+                    results[variant] = saved
+                    continue
             print(f"{task} / {variant} ...", flush=True)
             shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
-                                  args=["--worker", task, variant, str(out)]
-                                  + _steps_flag(task, args.chargpt_steps)))
+                                  args=["--worker", task, variant, str(out), "--seed",
+                                        str(args.seed)] + _steps_flag(task, args.chargpt_steps)))
             if code == 0:
                 results[variant] = json.loads(out.read_text())
         report(task, results)
     return 0
+
+
+def _asked(task: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a run of `task` was asked for beyond its recipe (saved with its result)."""
+    return {"chargpt_steps": args.chargpt_steps if task == "chargpt" else None,
+            "seed": args.seed}
 
 
 def _steps_flag(task: str, steps: int | None) -> list[str]:
@@ -142,12 +165,12 @@ def _steps_flag(task: str, steps: int | None) -> list[str]:
 def report(task: str, results: dict[str, dict[str, Any]]) -> None:
     base = results.get("fp32")
     print(f"\n{task}: 2 workers; gaps against fp32 uncompressed")
-    print(f"{'variant':14s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
+    print(f"{'variant':16s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
           f"{'MB/step':>8s}")
     for name, r in results.items():
         acc_gap = f"{r['test_accuracy'] - base['test_accuracy']:+.4f}" if base else ""
         loss_gap = f"{r['test_loss'] / base['test_loss'] - 1:+.1%}" if base else ""
-        print(f"{name:14s} {r['test_accuracy']:9.4f} {acc_gap:>7s} {r['test_loss']:10.4f} "
+        print(f"{name:16s} {r['test_accuracy']:9.4f} {acc_gap:>7s} {r['test_loss']:10.4f} "
               f"{loss_gap:>7s} {r['bytes_per_step'] / 1e6:8.3f}")
 
 
