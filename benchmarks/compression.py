@@ -9,7 +9,7 @@ char-GPT (lockstep.models.CharGPT) trains on the same KJV batches with:
 torch's powerSGD_hook issues each bucket's Q all-reduce from a future callback, racing the
 next bucket's P all-reduce from the main thread; on Gloo the two can reach ranks in
 different orders and the job aborts ("Received data size doesn't match expected size").
-So both PowerSGD modes here use a single bucket. (lockstep's compressors issue every
+So every PowerSGD mode here uses a single bucket. (lockstep's compressors issue every
 bucket's collectives in order from one thread, and need no such care.)
 
 Every other mode, lockstep's and DDP's alike, uses 2 MB buckets (--bucket-mb). The model
