@@ -123,7 +123,7 @@ def check_powersgd_error_feedback_is_lossless_in_sum(wire_dtype: str | None) -> 
 
 
 def test_powersgd_error_feedback_keeps_what_it_did_not_send(world: World) -> None:
-    for wire_dtype in (None, "bf16"):
+    for wire_dtype in (None, "bf16", "fp16"):
         assert max(world.run(check_powersgd_error_feedback_is_lossless_in_sum, wire_dtype)) < 1e-6
 
 
