@@ -96,7 +96,8 @@ class DataParallel(nn.Module):
             "tree", "shm" (shared memory, one host) or "hierarchical" (shm inside hosts,
             the network between them). See algorithms.py.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
-            or lockstep.TopK(ratio). See compress.py; `comm_stats()` reports the bytes.
+            (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio). See
+            compress.py; `comm_stats()` reports the bytes.
         zero: 0 (plain), 1 (shard optimizer state), 2 (and gradients) or 3 (and
             parameters), with `make_optimizer`. See zero.py. From stage 2 on, gradients
             live in the optimizer's shards, not in `.grad`.
