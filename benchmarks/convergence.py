@@ -143,8 +143,8 @@ def main() -> int:
             print(f"{task} / {variant} ...", flush=True)
             shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
             code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
-                                  args=["--worker", task, variant, str(out), "--seed",
-                                        str(args.seed)] + _steps_flag(task, args.chargpt_steps)))
+                                  args=["--worker", task, variant, str(out)]
+                                  + _worker_flags(asked)))
             if code == 0:
                 results[variant] = json.loads(out.read_text())
         report(task, results)
@@ -157,9 +157,10 @@ def _asked(task: str, args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed}
 
 
-def _steps_flag(task: str, steps: int | None) -> list[str]:
-    """The worker's flag for a longer char-GPT run; other tasks keep their recipe."""
-    return ["--chargpt-steps", str(steps)] if task == "chargpt" and steps else []
+def _worker_flags(asked: dict[str, Any]) -> list[str]:
+    """The flags that make a worker's `_asked` equal the parent's."""
+    steps = asked["chargpt_steps"]
+    return ["--seed", str(asked["seed"])] + (["--chargpt-steps", str(steps)] if steps else [])
 
 
 def report(task: str, results: dict[str, dict[str, Any]]) -> None:
