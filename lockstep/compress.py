@@ -150,7 +150,7 @@ class PowerSGD(Compression):
                 vectors.append(v)
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
-            whole = torch.cat([v.reshape(-1) for v in vectors]).to(self.wire_dtype)
+            whole = self._packed(vectors)
             in_flight = comm.all_reduce_async(whole, f"PowerSGD uncompressed part of {label}",
                                               self.group)
             self.sent_bytes += whole.numel() * whole.element_size()
@@ -187,9 +187,14 @@ class PowerSGD(Compression):
         return self._qs[key]
 
     def _all_reduce_list(self, tensors: list[torch.Tensor], what: str) -> None:
-        flat = torch.cat([t.reshape(-1) for t in tensors]).to(self.wire_dtype)
+        flat = self._packed(tensors)
         self._all_reduce(flat, what)
         _copy_back(flat, tensors)
+
+    def _packed(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """`tensors` flattened into one, in the wire's dtype: what one all-reduce sends
+        (`_copy_back` unpacks it)."""
+        return torch.cat([t.reshape(-1) for t in tensors]).to(self.wire_dtype)
 
 
 def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
