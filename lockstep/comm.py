@@ -32,6 +32,21 @@ def size_of(group: Group = None) -> int:
     return dist.get_world_size(group)
 
 
+def device_of(group: Group = None) -> torch.device:
+    """Where the group's collective inputs must live: this rank's GPU under NCCL, which
+    takes no CPU tensors, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def control_tensor(values: Sequence[float] | Sequence[int], group: Group = None,
+                   dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A small tensor of flags, counts or norms to agree on through a collective, made on
+    the group's device (see device_of)."""
+    return torch.tensor(list(values), dtype=dtype, device=device_of(group))
+
+
 class Pending:
     """An asynchronous collective and what it is, for the error message if it fails."""
 

@@ -30,9 +30,10 @@ class JoinError(RuntimeError):
 
 class Join:
     def __init__(self, model: DataParallel, optimizers: list[torch.optim.Optimizer],
-                 sync_final_model: bool) -> None:
+                 sync_final_model: bool, divide_by_initial_world_size: bool = False) -> None:
         self.model, self.optimizers = model, optimizers
         self.sync_final_model = sync_final_model
+        self.divide_by_initial_world_size = divide_by_initial_world_size
         self.world_size = comm.size_of(model.group)
         self.rank = comm.rank_of(model.group)
         self.active_ranks = list(range(self.world_size))  # as of the last handshake
@@ -44,47 +45,44 @@ class Join:
                             "own collectives in its forward and backward; give every rank the "
                             "same number of batches instead (ShardedSampler with drop_last)")
 
-    def agree_on_active(self, active: bool, stuck: bool = False) -> tuple[list[int], bool]:
-        """The handshake: which ranks still have data, whether this step syncs, and which
-        ranks cannot go on (so that every rank raises together instead of some waiting)."""
+    def agree_on_active(self, active: bool, sync: bool = False) -> tuple[list[int], bool]:
+        """The handshake before every forward: which ranks still have data, and whether
+        this step's backward synchronises (every rank that still trains must agree; one
+        that ran out mid-accumulation just shadows the sync)."""
         n = self.world_size
-        flags = torch.zeros(2 * n + 1, dtype=torch.int32)  # [active | stuck | syncing]
+        flags = comm.control_tensor([0] * (n + 1), self.model.group)  # [active | syncing]
         if active:
             flags[self.rank] = 1
-            flags[-1] = int(self.model.reducer.sync_enabled)
-        flags[n + self.rank] = int(stuck)
+            flags[n] = int(sync)
         comm.all_reduce(flags, "join handshake (which ranks still have data)", self.model.group)
-        stuck_ranks = [r for r in range(n) if flags[n + r]]
-        if stuck_ranks:
-            raise JoinError(f"rank {self.rank}: rank(s) {stuck_ranks} ran out of data in the "
-                            "middle of a gradient accumulation window (no_sync micro-batches "
-                            "not yet reduced); give every rank a number of batches that is a "
-                            "multiple of the accumulation steps")
-        active_ranks = [r for r in range(n) if flags[r]]
-        syncing = int(flags[-1])
+        everyone = flags.tolist()
+        active_ranks = [r for r in range(n) if everyone[r]]
+        syncing = everyone[n]
         if 0 < syncing < len(active_ranks):
             raise JoinError(f"rank {self.rank}: under join(), ranks disagree on whether this "
                             f"step synchronises ({syncing} of {len(active_ranks)} are inside "
                             "no_sync()); every rank must accumulate on the same steps")
         if active_ranks:
             self.active_ranks = active_ranks
-            self.model.reducer.divisor = len(active_ranks)
+            self.model.reducer.divisor = n if self.divide_by_initial_world_size \
+                else len(active_ranks)
         return active_ranks, syncing > 0
 
     def source_rank(self) -> int:
-        """Where buffers and final state come from: the lowest rank still training."""
-        return self.active_ranks[0]
+        """Where buffers and final state come from: the highest rank still training (as
+        DDP's join picks it)."""
+        return self.active_ranks[-1]
 
     def finish(self) -> None:
-        """This rank is out of data: shadow the others' steps until everyone is."""
+        """This rank is out of data: shadow the others' steps until everyone is. What it
+        accumulated in an unfinished no_sync window is not contributed (as in DDP)."""
         reducer = self.model.reducer
-        stuck = reducer.has_unsynced_gradients()
         while True:
-            active_ranks, syncs = self.agree_on_active(active=False, stuck=stuck)
+            active_ranks, syncs = self.agree_on_active(active=False)
             if not active_ranks:
                 break
-            reducer.prepare_forward()
-            self.model.sync_buffers()
+            reducer.prepare_forward(syncs)
+            self.model.sync_buffers(syncs)
             if syncs:
                 reducer.shadow_backward()
             reporter.advance()  # shadowing is progress: do not look "behind" to peers
@@ -95,8 +93,10 @@ class Join:
     def _sync_final_state(self) -> None:
         source, group = self.source_rank(), self.model.group
         module = self.model.module
-        comm.broadcast_tensors([*module.parameters(), *module.buffers()], source,
-                               "join: final broadcast of the model", group)
+        tensors: list[torch.Tensor] = [*module.parameters()]
+        if self.model.broadcast_buffers:
+            tensors += [*module.buffers()]
+        comm.broadcast_tensors(tensors, source, "join: final broadcast of the model", group)
         for optimizer in self.optimizers:
             # A rank that stopped early may hold no state at all yet: send the whole dict.
             state = comm.broadcast_object(optimizer.state_dict() if self.rank == source

@@ -15,6 +15,7 @@ Parameters, gradients (as the optimizer sees them) and optimizer state stay in f
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,14 @@ import torch
 from lockstep import comm
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+# Scalers that have scaled a loss and not yet stepped: their backward may overflow on
+# purpose, and the agreed skip is theirs to make (nonfinite.py stands aside meanwhile).
+_scaling: weakref.WeakSet[LossScaler] = weakref.WeakSet()
+
+
+def loss_scaling_pending() -> bool:
+    return bool(_scaling)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -64,6 +73,7 @@ class LossScaler:
         self._found_inf = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        _scaling.add(self)
         return loss * self.scale_value
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -71,10 +81,10 @@ class LossScaler:
         finite. Returns that shared verdict."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]
                  if p.grad is not None]
-        found = torch.zeros(1)
+        found = torch.zeros(1, device=grads[0].device if grads else comm.device_of(self.group))
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found, torch.full((1,), 1.0 / self.scale_value))
+                grads, found, torch.full((1,), 1.0 / self.scale_value, device=found.device))
         comm.all_reduce(found, "loss scaler: agree whether any rank overflowed", self.group,
                         op=torch.distributed.ReduceOp.MAX)
         self._unscaled, self._found_inf = optimizer, bool(found.item() > 0)
@@ -88,6 +98,7 @@ class LossScaler:
         if stepped:
             optimizer.step()
         self._update(stepped)
+        _scaling.discard(self)
         self._unscaled = None
         return stepped
 

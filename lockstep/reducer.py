@@ -12,14 +12,24 @@ One step, as seen from here:
    autograd engine runs once backward ends: it launches whatever is left and waits for
    every bucket.
 
+Only a backward that follows a forward through the wrapper synchronises (as in torch's
+DDP): the forward arms the reducer (`arm`), and hooks that fire unarmed -- a backward
+through `model.module` alone, or one inside `no_sync()` -- accumulate locally. The
+end-of-backward callback is queued from the outputs' own autograd nodes, so it runs at the
+end of the *outermost* backward even when reentrant activation checkpointing runs nested
+backwards inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and
+its hooks go with it.
+
 After the first synchronised backward the plan is rebuilt in the order gradients actually
 arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd import Variable
@@ -35,6 +45,7 @@ from lockstep.buckets import (
     reverse_registration_order,
 )
 from lockstep.compress import Compression
+from lockstep.nonfinite import FiniteCheck
 
 if TYPE_CHECKING:
     from lockstep.zero import Sharding
@@ -76,7 +87,7 @@ class Reducer:
                  bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
                  group: comm.Group = None, algorithm: AllReduce | None = None,
                  compression: Compression | None = None,
-                 sharding: Sharding | None = None) -> None:
+                 sharding: Sharding | None = None, nonfinite: str = "error") -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
@@ -85,13 +96,14 @@ class Reducer:
         self.algorithm = algorithm or Native(group)
         self.compression = compression
         self.sharding = sharding  # ZeRO: a fixed plan of padded buckets, reduced its way
+        self.finite = FiniteCheck(nonfinite, self.names, group)
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
-        self.sync_enabled = True
         self.buckets: list[Bucket] = []
         self._build(reverse_registration_order(len(self.params)))
-        self._in_backward = False
+        self._armed = False        # the last forward through the wrapper asked for a sync
+        self._in_backward = False  # a synchronised backward is under way
         self._next_launch = 0
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))  # got a gradient since the last sync
@@ -99,7 +111,8 @@ class Reducer:
         # except under ZeRO, whose plan is also the layout of the sharded parameters.
         self._arrivals: list[int] | None = [] if sharding is None else None
         self._learned_order: list[int] | None = None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+        self._warned_create_graph = False
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, i))
                        for i, p in enumerate(self.params)]
 
     # ---- plan -------------------------------------------------------------------------
@@ -126,17 +139,43 @@ class Reducer:
     def bucket_sizes_mb(self) -> list[float]:
         return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
 
-    def prepare_forward(self) -> None:
-        """Called before each grad-enabled forward: clean up after a backward that raised,
-        and rebuild the plan once, in arrival order."""
+    def prepare_forward(self, sync: bool) -> None:
+        """Called before each grad-enabled forward through the wrapper: clean up after a
+        backward that raised, rebuild the plan once in arrival order, and arm (or disarm)
+        the next backward's synchronisation. Like DDP, the forward decides: a backward
+        inside `no_sync()` whose forward ran outside it still synchronises."""
         if self._in_backward:
             self._abandon_backward()
-        if self._learned_order is None:
+        self._armed = sync
+        if not sync or self._learned_order is None:
             return
         order = comm.broadcast_object(self._learned_order, 0, "broadcast of rank 0's "
                                       "gradient arrival order", self.group)
         self._learned_order = None
         self._build(order)
+
+    def watch_outputs(self, output: Any) -> None:
+        """Queue the end of the synchronised backward from the outputs' autograd nodes.
+        They run in the outermost backward, before any parameter's gradient, so the
+        callback lands on that backward even when reentrant checkpointing runs the
+        parameters' backward in nested ones (their callbacks would run too early)."""
+        if not self._armed:
+            return
+        weak_self = weakref.ref(self)
+
+        def begin(grad_outputs: Any) -> None:
+            reducer = weak_self()
+            if reducer is not None and reducer._armed:
+                reducer._begin_backward()
+
+        for tensor in find_tensors(output):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(begin)
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _abandon_backward(self) -> None:
         """A synchronised backward raised before its end-of-backward callback ran (autograd
@@ -149,14 +188,10 @@ class Reducer:
                 bucket.pending.wait()
         if self._arrivals is not None:
             self._arrivals = []
+        self.finite.reset()
         self._reset_for_next_backward()
 
     # ---- backward -----------------------------------------------------------------------
-
-    def _hook_for(self, index: int):  # type: ignore[no-untyped-def]
-        def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(index)
-        return hook
 
     def _on_grad_ready(self, index: int) -> None:
         bucket, view = self._where[index]
@@ -164,24 +199,34 @@ class Reducer:
         if self.sharding is not None:
             self.sharding.materialize(bucket)
         self._used[index] = 1
-        if not self.sync_enabled:  # accumulate in the bucket slot, unscaled, until the sync
+        if not self._armed:  # accumulate in the bucket slot, unscaled, until the sync
             _adopt(param, view, 1.0)
             return
-        if not self._in_backward:
-            self._in_backward = True
-            Variable._execution_engine.queue_callback(self._finish_backward)
+        self._begin_backward()  # a no-op when the outputs' nodes already queued the end
         if self._ready[index]:
             raise RuntimeError(
                 f"rank {comm.rank_of(self.group)}: parameter '{self.names[index]}' received a "
-                "gradient twice in one backward (reentrant checkpointing, or a second "
-                "backward through the same graph?); lockstep reduces each gradient once")
+                "gradient twice in one backward (used both inside and outside a reentrant "
+                "checkpoint, or a second backward through the same graph?); lockstep reduces "
+                "each gradient once. Use torch.utils.checkpoint(..., use_reentrant=False)")
         self._ready[index] = 1
+        self._check_create_graph(param)
+        self.finite.observe(index, param.grad)  # type: ignore[arg-type]
         _adopt(param, view, 1.0 / self.divisor, self.algorithm, bucket.flat)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._launch_in_order()
+
+    def _check_create_graph(self, param: torch.Tensor) -> None:
+        if self._warned_create_graph or param.grad is None or not param.grad.requires_grad:
+            return
+        self._warned_create_graph = True
+        log.warning("rank %d: backward(create_graph=True): .grad holds the average over ranks "
+                    "as values; the graph of higher-order gradients through it is not averaged "
+                    "(as with torch's DDP). For a gradient penalty, torch.autograd.grad(..., "
+                    "create_graph=True) composes exactly.", comm.rank_of(self.group))
 
     def _launch_in_order(self) -> None:
         buckets = self.buckets
@@ -196,12 +241,15 @@ class Reducer:
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
-        """End of a synchronised backward: complete every bucket, then check for unused."""
+        """End of a synchronised backward: complete every bucket, agree whether every
+        gradient was finite, then check for unused parameters."""
         try:
             unready = [i for i in range(len(self.params)) if not self._ready[i]]
             emptied = self._fill_unready(unready)
             self._launch_in_order()
+            flags = self.finite.start()
             self._wait_all()
+            finite = self.finite.finish(flags)  # agreed by every rank: raises together
             if self.find_unused:
                 self._drop_globally_unused(emptied)
             elif unready:
@@ -209,8 +257,18 @@ class Reducer:
             if self._arrivals is not None:
                 self._learned_order = arrival_order(self._arrivals, len(self.params))
                 self._arrivals = None
+            if not finite:
+                self._drop_step()
         finally:
             self._reset_for_next_backward()
+
+    def _drop_step(self) -> None:
+        """nonfinite="skip": no gradient, so the optimizer leaves every parameter (and its
+        state) as it was -- on every rank, since all agreed."""
+        for param in self.params:
+            param.grad = None
+        if self.sharding is not None:
+            self.sharding.drop_step()
 
     def _fill_unready(self, unready: list[int]) -> list[int]:
         """Give parameters that got no gradient this backward a defined slot value: zero if
@@ -227,6 +285,7 @@ class Reducer:
                 param.grad = view
                 emptied.append(index)
             else:
+                self.finite.observe(index, param.grad)
                 _adopt(param, view, 1.0 / self.divisor)
             bucket.waiting -= 1
         return emptied
@@ -249,10 +308,11 @@ class Reducer:
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
         optimizer skips it (a zero gradient would still move it through momentum/decay)."""
-        used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(torch.int32)
+        used = comm.control_tensor(self._used, self.group)
         comm.all_reduce(used, "all-reduce of the used-parameter bitmap", self.group)
+        used_anywhere = used.tolist()
         for index in emptied:
-            if used[index] == 0:
+            if used_anywhere[index] == 0:
                 self.params[index].grad = None
 
     def _unused_error(self, unready: list[int]) -> UnusedParameterError:
@@ -283,9 +343,11 @@ class Reducer:
             bucket.waiting = 0
         self._launch_in_order()
         try:
+            flags = self.finite.start()
             self._wait_all()
+            self.finite.finish(flags)
             if self.find_unused:
-                comm.all_reduce(torch.zeros(len(self.params), dtype=torch.int32),
+                comm.all_reduce(comm.control_tensor([0] * len(self.params), self.group),
                                 "all-reduce of the used-parameter bitmap", self.group)
             if self._arrivals is not None:
                 self._learned_order = arrival_order([], len(self.params))
@@ -305,7 +367,8 @@ class Reducer:
 
     def detach(self) -> None:
         """Stop reducing: remove the hooks. Gradients keep their current values (the
-        bucket memory stays alive as long as a `.grad` view of it does)."""
+        bucket memory stays alive as long as a `.grad` view of it does). Idempotent."""
+        self._armed = False
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -329,11 +392,42 @@ def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
         if scale != 1.0:
             view.mul_(scale)
         return
-    if algorithm is None or flat is None:
-        scaled_copy(grad, view, scale)
-    else:
-        algorithm.absorb(grad, view, scale, flat)
+    with torch.no_grad():  # under create_graph the gradient has a graph: take its values
+        if algorithm is None or flat is None:
+            scaled_copy(grad, view, scale)
+        else:
+            algorithm.absorb(grad, view, scale, flat)
     param.grad = view
+
+
+def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
+    """A parameter's readiness hook that does not keep its reducer alive: a wrapper that
+    is no longer referenced is collected, and its finalizer removes this hook."""
+    weak = weakref.ref(reducer)
+
+    def hook(param: torch.Tensor) -> None:
+        live = weak()
+        if live is not None:
+            live._on_grad_ready(index)
+    return hook
+
+
+def find_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor in a model's output: tensors, sequences, mappings (Hugging Face's
+    ModelOutput is one) and dataclasses, nested."""
+    if depth > 32:  # a cycle, or a structure too deep to be a model's output
+        return
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from find_tensors(item, depth + 1)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from find_tensors(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from find_tensors(getattr(obj, f.name, None), depth + 1)
 
 
 def naive_average_gradients(params: Sequence[torch.nn.Parameter],

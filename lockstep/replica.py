@@ -14,21 +14,29 @@ the module. Backward does the rest (see reducer.py).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lockstep import comm
 from lockstep import zero as zero_mod
 from lockstep.algorithms import make_algorithm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.compress import make_compression
+from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter
+from lockstep.gather import Gatherer, guard_orphans, has_no_values
+from lockstep.logs import get_logger
+from lockstep.nonfinite import check_mode
 from lockstep.reducer import Reducer, trainable
 from lockstep.world import current
+
+log = get_logger(__name__)
 
 
 class ModelMismatchError(RuntimeError):
@@ -80,7 +88,9 @@ class DataParallel(nn.Module):
 
     After `loss.backward()` returns, every trainable parameter's `.grad` holds the average
     over ranks (except inside `no_sync()`), exactly as with torch's
-    DistributedDataParallel.
+    DistributedDataParallel -- which it replaces by its name: DDP's keyword arguments
+    (device_ids, process_group, bucket_cap_mb, find_unused_parameters, ...) and attributes
+    (`.module`, `require_backward_grad_sync`) mean the same here (see ddp_args.py).
 
     Args:
         module: the model, already on `lockstep.init().device`.
@@ -103,6 +113,13 @@ class DataParallel(nn.Module):
             live in the optimizer's shards, not in `.grad`.
         zero_unit: for stage 3, which modules are gathered as one unit (default: every
             module that owns parameters, i.e. each layer).
+        nonfinite: what a NaN or inf in some rank's local gradient does: "error" (stop,
+            naming the step, the ranks and the first parameter), "skip" (drop the step on
+            every rank, counted in `comm_stats()`), or "off". See nonfinite.py.
+
+    The wrapper owns its hooks, buckets, threads and shared memory, and gives them back on
+    `close()` or when it is no longer referenced. Wrapping a module again takes it over
+    from a wrapper that is still alive (which is closed, with a warning).
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = None, *,
@@ -110,33 +127,41 @@ class DataParallel(nn.Module):
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
                  group: comm.Group = None, algorithm: str = "native",
                  compress: Any = None, zero: int = 0,
-                 zero_unit: Callable[[nn.Module], bool] | None = None) -> None:
+                 zero_unit: Callable[[nn.Module], bool] | None = None,
+                 nonfinite: str = "error", **ddp_kwargs: Any) -> None:
         super().__init__()
-        bucket_mb = default_bucket_mb(algorithm) if bucket_mb is None else bucket_mb
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        ddp = read_ddp_arguments(module, ddp_kwargs)
+        bucket_mb = _pick("bucket_mb", bucket_mb, "bucket_cap_mb", ddp.bucket_mb,
+                          default_bucket_mb(algorithm))
+        if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r} "
+                             "(DDP's device_ids goes by keyword: device_ids=[...])")
+        check_mode(nonfinite)
+        _check_trainable(module)
         self.world = current()
         self.module = module
-        self.group = group
-        self.broadcast_buffers = broadcast_buffers
-        verify_replicas_match(module, group)
-        comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
-                               "broadcast of rank 0's parameters and buffers", group)
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"zero must be 0, 1, 2 or 3; got {zero!r}")
-        if zero and (compress is not None or algorithm != "native"):
-            raise ValueError("ZeRO stages use their own reduce-scatter and all-gather; they "
-                             "take neither compress= nor an algorithm other than 'native'")
-        self.zero = zero
-        self.algorithm = make_algorithm(algorithm, group, self.world.local_world_size)
+        self.group = ddp.group if group is None else group
+        self.broadcast_buffers = broadcast_buffers if ddp.broadcast_buffers is None \
+            else ddp.broadcast_buffers
+        self.require_backward_grad_sync = True  # DDP's flag; no_sync() clears it
+        self._take_over(module)
+        if ddp.init_sync:
+            verify_replicas_match(module, self.group)
+            comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
+                                   "broadcast of rank 0's parameters and buffers", self.group)
+        self.zero = _check_zero(zero, compress, algorithm)
+        self.algorithm = make_algorithm(algorithm, self.group, self.world.local_world_size)
         self.compression = make_compression(compress)
         if self.compression is not None:
             if algorithm != "native":
                 raise ValueError(f"compress={compress!r} sends its own messages; it works "
                                  f"with algorithm='native', not {algorithm!r}")
-            self.compression.bind(group)
+            self.compression.bind(self.group)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self._find_unused = find_unused
+        self._find_unused = bool(_pick("find_unused", find_unused or None,
+                                       "find_unused_parameters", ddp.find_unused, False))
+        self._nonfinite = nonfinite
+        self.gatherer: Gatherer | None = None
         if zero:
             self._shard(zero_unit)
         self.reducer = self._new_reducer()
@@ -144,6 +169,25 @@ class DataParallel(nn.Module):
             for bucket in self.reducer.buckets:
                 self.sharding.release(bucket)
         self._join: Any = None  # the active Join, when inside `join()`
+        self._buffers_due = True  # broadcast buffers before the next grad-enabled forward
+        self._owned = _Owned(self.reducer, self.algorithm, self.compression, self.gatherer)
+        self._release = weakref.finalize(self, self._owned.release)
+
+    def _take_over(self, module: nn.Module) -> None:
+        """Become the one wrapper reducing these parameters' gradients. Two live wrappers
+        would each scale a gradient by 1/N in the same bucket slot."""
+        for previous in {id(w): w for p in module.parameters()
+                         if (w := _owner_of(p)) is not None}.values():
+            log.warning("rank %d: this module is already wrapped by a live DataParallel; the "
+                        "new wrapper takes over and the old one is closed",
+                        comm.rank_of(self.group))
+            previous.close()
+        for p in module.parameters():
+            if has_no_values(p):
+                raise RuntimeError(f"rank {comm.rank_of(self.group)}: a parameter of this "
+                                   "module has no values (a zero=3 wrapper released it and "
+                                   "was dropped without close()); build the model again")
+            _OWNERS[p] = weakref.ref(self)
 
     def _shard(self, unit: Callable[[nn.Module], bool] | None) -> None:
         """Lay the parameters out in flat groups (ZeRO) and, at stage 3, shard them."""
@@ -151,9 +195,9 @@ class DataParallel(nn.Module):
                                                  *self._bucket_bytes, unit)
         self.sharding = zero_mod.Sharding(self.zero_groups, self.zero, self.group)
         if self.zero == 3:
-            gatherer = zero_mod.Gatherer(self.module, self.zero_groups, self.group)
-            self.sharding.on_reduced = gatherer.reduced
-            self.sharding.on_step_end = gatherer.end_of_step
+            self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
+            self.sharding.on_reduced = self.gatherer.reduced
+            self.sharding.on_step_end = self.gatherer.end_of_step
             for g in self.zero_groups:
                 g.release()  # sharded at rest
 
@@ -162,9 +206,10 @@ class DataParallel(nn.Module):
         if self.zero:
             return Reducer(zero_mod.reducer_params(self.zero_groups), *self._bucket_bytes,
                            self._find_unused, self.group, self.algorithm,
-                           sharding=self.sharding)
+                           sharding=self.sharding, nonfinite=self._nonfinite)
         return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
-                       self.group, self.algorithm, self.compression)
+                       self.group, self.algorithm, self.compression,
+                       nonfinite=self._nonfinite)
 
     def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:
         """An optimizer for this model's ZeRO stage: `optimizer` is a torch.optim class
@@ -196,25 +241,45 @@ class DataParallel(nn.Module):
                 f"rank {comm.rank_of(self.group)}: requires_grad of '{names[first]}' changed "
                 "on some ranks but not others; freeze and unfreeze on every rank alike")
         self.reducer.detach()
-        self.reducer = self._new_reducer()
+        self.reducer = self._owned.reducer = self._new_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
+        self._before_forward()
+        output = self.module(*args, **kwargs)
+        self._after_forward(output)
+        return output
+
+    @torch.compiler.disable  # collectives and bookkeeping stay out of a compiled graph
+    def _before_forward(self) -> None:
+        if self._release.alive and torch.is_grad_enabled():
             self._before_training_forward()
-        return self.module(*args, **kwargs)
+        elif not self._release.alive:
+            raise RuntimeError(f"rank {comm.rank_of(self.group)}: this DataParallel was "
+                               "closed (or superseded by a newer wrapper of the same module); "
+                               "call .module directly or wrap the module again")
+
+    @torch.compiler.disable
+    def _after_forward(self, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.reducer.watch_outputs(output)
 
     def _before_training_forward(self) -> None:
         """The collectives every grad-enabled forward issues, in this fixed order. A joined
         rank's shadow step (join.py) issues the same ones."""
+        sync = self.require_backward_grad_sync
         if self._join is not None:
-            self._join.agree_on_active(active=True)
+            sync = self._join.agree_on_active(active=True, sync=sync)[1]
         self._follow_requires_grad()
-        self.reducer.prepare_forward()
-        self.sync_buffers()
+        self.reducer.prepare_forward(sync)
+        self.sync_buffers(sync)
         reporter.advance()
 
-    def sync_buffers(self) -> None:
-        if self.broadcast_buffers:
+    def sync_buffers(self, sync: bool) -> None:
+        """Broadcast buffers before a forward that follows a synchronised one (DDP's rule:
+        inside a no_sync window each rank keeps its own statistics until the window's
+        synchronised step has passed). `sync`: whether this forward's backward syncs."""
+        due, self._buffers_due = self._buffers_due, sync
+        if self.broadcast_buffers and due:
             buffers = list(self.module.buffers())
             if buffers:
                 src = self._join.source_rank() if self._join is not None else 0
@@ -222,52 +287,127 @@ class DataParallel(nn.Module):
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients locally; the next backward outside reduces all of them."""
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
+        """Accumulate gradients locally: backwards of forwards run inside do not reduce;
+        the next backward of a forward outside reduces all of them (as DDP)."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.reducer.sync_enabled = previous
+            self.require_backward_grad_sync = previous
 
     @contextmanager
     def join(self, optimizers: Sequence[torch.optim.Optimizer] = (),
-             sync_final_model: bool = True) -> Iterator[None]:
+             sync_final_model: bool = True, *, divide_by_initial_world_size: bool = False,
+             enable: bool = True) -> Iterator[None]:
         """Train on uneven inputs: a rank that runs out of batches early keeps matching the
         others' collectives (contributing nothing) until every rank is done. Gradients are
-        averaged over the ranks that still had data.
+        averaged over the ranks that still had data -- or, with
+        `divide_by_initial_world_size=True` (DDP's default), over all ranks, the finished
+        ones counting as zeros.
 
         Pass the optimizers: ranks that stopped early skipped steps, so at the end their
         state (momentum, Adam moments) is replaced by that of a rank that trained to the
-        end, along with the parameters and buffers -- otherwise replicas drift apart on the
-        next step. Each grad-enabled forward inside must be followed by one backward.
+        end, along with the parameters and (if broadcast_buffers) the buffers -- otherwise
+        replicas drift apart on the next step. Each grad-enabled forward inside must be
+        followed by one backward.
         """
         from lockstep.join import Join  # join builds on this class
 
-        self._join = Join(self, list(optimizers), sync_final_model)
+        if not enable:
+            yield
+            return
+        self._join = Join(self, list(optimizers), sync_final_model,
+                          divide_by_initial_world_size)
         try:
             yield
             self._join.finish()
         finally:
             self._join = None
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict with every tensor whole, as copies -- what
+        `model.module.state_dict()` gives without ZeRO. Under zero=3 it gathers the
+        parameters: a collective, so every rank must call it."""
+        if self.gatherer is None:
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        with self.gatherer.all_gathered():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def bucket_sizes_mb(self) -> list[float]:
         return self.reducer.bucket_sizes_mb()
 
     def comm_stats(self) -> dict[str, float]:
         """Bytes this rank sent in the last synchronised step, what an uncompressed
-        reduction would have sent, and their ratio."""
+        reduction would have sent, and their ratio; and the steps dropped for a
+        non-finite gradient (nonfinite="skip")."""
         stats = dict(self.reducer.stats)
         sent = stats["bytes_sent"]
-        return {**stats, "compression_ratio": stats["bytes_uncompressed"] / sent if sent else 1.0}
+        return {**stats, "compression_ratio": stats["bytes_uncompressed"] / sent if sent else 1.0,
+                "skipped_steps": self.reducer.finite.skipped_steps}
 
     def close(self) -> None:
-        """Stop reducing gradients and release the algorithm's thread and shared memory.
-        The module keeps working on its own afterwards."""
+        """Stop reducing gradients and release the hooks, threads and shared memory. The
+        module keeps working on its own afterwards; under zero=3 it first gets its full
+        parameters back (a collective: every rank must call close()). Idempotent."""
+        if not self._release.alive:
+            return
+        if self.gatherer is not None:
+            self.gatherer.give_back()
+            self.gatherer = self._owned.gatherer = None
+        self._release()
+
+
+class _Owned:
+    """What a wrapper gives back when closed or collected. It holds no reference to the
+    wrapper, so the wrapper can be collected while this waits in its finalizer."""
+
+    def __init__(self, reducer: Reducer, algorithm: Any, compression: Any,
+                 gatherer: Gatherer | None) -> None:
+        self.reducer, self.algorithm = reducer, algorithm
+        self.compression, self.gatherer = compression, gatherer
+
+    def release(self) -> None:
         self.reducer.detach()
         self.algorithm.close()
         if self.compression is not None:
             self.compression.close()
+        if self.gatherer is not None:  # dropped without close(): the shards go with it
+            self.gatherer.remove_hooks()
+            guard_orphans(self.gatherer.owners, self.gatherer.groups)
+
+
+# Which live wrapper reduces each parameter's gradient (weakly: a dropped wrapper is
+# collected, and its entries go with it).
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _owner_of(param: torch.Tensor) -> DataParallel | None:
+    ref = _OWNERS.get(param)
+    wrapper = ref() if ref is not None else None
+    return wrapper if wrapper is not None and wrapper._release.alive else None
+
+
+def _pick(name: str, value: Any, ddp_name: str, ddp_value: Any, default: Any) -> Any:
+    if value is not None and ddp_value is not None:
+        raise TypeError(f"DataParallel got both {name}= and DDP's {ddp_name}=; pass one")
+    return value if value is not None else ddp_value if ddp_value is not None else default
+
+
+def _check_trainable(module: nn.Module) -> None:
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("DataParallel: the module has no parameter that requires a gradient, "
+                         "so there is nothing to average across ranks (as DDP, this is "
+                         "refused); run it without a wrapper")
+
+
+def _check_zero(zero: int, compress: Any, algorithm: str) -> int:
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3; got {zero!r}")
+    if zero and (compress is not None or algorithm != "native"):
+        raise ValueError("ZeRO stages use their own reduce-scatter and all-gather; they "
+                         "take neither compress= nor an algorithm other than 'native'")
+    return zero
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

@@ -33,7 +33,9 @@ def global_moments(x: torch.Tensor, group: comm.Group) -> tuple[torch.Tensor, to
     x = x.float()
     dims = _channel_dims(x)
     count = torch.full((x.shape[1],), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
-    mean = x.mean(dims)
+    # An empty batch on this rank counts 0 with mean 0 (x.mean would be NaN, and 0 * NaN
+    # in the combination below would poison every rank).
+    mean = x.sum(dims) / count.clamp(min=1)
     m2 = ((x - _broadcastable(mean, x)) ** 2).sum(dims)
     local = torch.stack([count, mean, m2])  # (3, C)
     world_size = comm.size_of(group)
@@ -125,15 +127,20 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, group: comm.Group = None) -> nn.Module:
-    """Replace every BatchNorm{1,2,3}d in `module` with a lockstep SyncBatchNorm that
-    carries over its parameters and statistics. Returns the (possibly new) root module."""
+    """Replace every BatchNorm{1,2,3}d in `module` with a lockstep SyncBatchNorm. The new
+    layers take over the old ones' parameter and buffer objects (as torch's converter
+    does), so a DataParallel that already wraps the model keeps reducing the same
+    parameters. Returns the (possibly new) root module."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module,
                                                                               SyncBatchNorm):
         converted = SyncBatchNorm(module.num_features, module.eps, module.momentum,
                                   module.affine, module.track_running_stats, group=group)
-        converted.load_state_dict(module.state_dict())
+        if module.affine:
+            converted.weight, converted.bias = module.weight, module.bias
+        converted.running_mean, converted.running_var = module.running_mean, module.running_var
+        converted.num_batches_tracked = module.num_batches_tracked
         converted.train(module.training)
-        return converted.to(next(iter(module.state_dict().values()), torch.empty(0)).device)
+        return converted
     for name, child in module.named_children():
         module.add_module(name, convert_sync_batchnorm(child, group))
     return module

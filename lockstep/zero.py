@@ -206,130 +206,25 @@ class Sharding:
         return Done()
 
     def after_backward(self, buckets: Sequence[Any]) -> None:
-        """Stage 1: the optimizer's shard gradients are views of the averaged buckets."""
-        if self.stage == 1:
-            for group, bucket in zip(self.groups, buckets, strict=True):
+        """What the optimizer steps is each shard's averaged gradient: at stage 1 a view of
+        the averaged bucket; from stage 2 on, the accumulated reduce-scatters."""
+        for group, bucket in zip(self.groups, buckets, strict=True):
+            if self.stage == 1:
                 group.shard_grad = bucket.flat[group.shard]
-                group.shard_param.grad = group.shard_grad
+            group.shard_param.grad = group.shard_grad
         if self.on_step_end is not None:
             self.on_step_end()
+
+    def drop_step(self) -> None:
+        """A step dropped for a non-finite gradient: the optimizer skips shards without a
+        gradient (after_backward gives them back next time)."""
+        for group in self.groups:
+            group.shard_param.grad = None
 
 
 def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
     """Index of `group`'s first parameter in the reducer's parameter list."""
     return sum(len(g.params) for g in groups[: group.index])
-
-
-# ---- stage 3: gather before use, free after ----------------------------------------------------
-
-
-class Gatherer:
-    """Stage 3's parameter lifecycle, driven by module hooks.
-
-    Every module that owns parameters gathers the units they belong to before its forward
-    and releases them after; the gathering order seen in the first forward is remembered,
-    so each gather also prefetches the unit that comes next. In backward a unit is gathered
-    again when the gradient of its module's output arrives, and released once its
-    gradients are reduce-scattered (Sharding.on_reduced)."""
-
-    def __init__(self, module: nn.Module, groups: list[FlatGroup], group: comm.Group) -> None:
-        self.groups, self.group = groups, group
-        unit_of = {id(p): g.index for g in groups for p in g.params}
-        self.users = [0] * len(groups)
-        self.order: list[int] = []
-        self._recording = True
-        self._in_backward = [False] * len(groups)
-        self._handles = []
-        for sub in module.modules():
-            units = sorted({unit_of[id(p)] for p in sub.parameters(recurse=False)
-                            if id(p) in unit_of})
-            if units:
-                self._handles += [sub.register_forward_pre_hook(self._before(units)),
-                                  sub.register_forward_hook(self._after(units))]
-
-    def _before(self, units: list[int]) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            for u in units:
-                self.acquire(u, backward=False)
-        return hook
-
-    def _after(self, units: list[int]) -> Callable[..., Any]:
-        def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for u in units:
-                self.users[u] -= 1
-                if self.users[u] == 0 and not self._in_backward[u]:
-                    self.groups[u].release()
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._before_backward(units))
-            return output
-        return hook
-
-    def _before_backward(self, units: list[int]) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            self._recording = False
-            for u in units:
-                if not self._in_backward[u]:
-                    self._in_backward[u] = True
-                    self.acquire(u, backward=True)
-        return hook
-
-    def acquire(self, u: int, backward: bool) -> None:
-        """Make unit u whole for use, and start gathering the one expected next: the next
-        in forward order, or the previous one in backward."""
-        self.users[u] += 1
-        self._gather(u)
-        if self._recording:  # the first forward teaches the order
-            if u not in self.order:
-                self.order.append(u)
-            return
-        if u in self.order:
-            j = self.order.index(u) + (-1 if backward else 1)
-            if 0 <= j < len(self.order):
-                self._prefetch(self.order[j])
-
-    def _gather(self, u: int) -> None:
-        group = self.groups[u]
-        if group.pending is not None:
-            group.finish_prefetch()
-        elif not group.gathered:
-            group.start_gather(f"gather of parameter unit {u}", self.group).wait()
-        group.gathered = True
-
-    def _prefetch(self, u: int) -> None:
-        group = self.groups[u]
-        if group.gathered or group.pending is not None:
-            return
-        group.pending = group.start_gather(f"prefetch of parameter unit {u}", self.group)
-
-    def reduced(self, u: int) -> None:
-        """Unit u's gradients are reduce-scattered: its parameters can go."""
-        self._in_backward[u] = False
-        self.users[u] = max(0, self.users[u] - 1)
-        if self.users[u] == 0:
-            self.groups[u].release()
-
-    def end_of_step(self) -> None:
-        """After backward: every unit released (a prefetch may still be in flight)."""
-        self._recording = False
-        for u, group in enumerate(self.groups):
-            if group.pending is not None:
-                group.finish_prefetch()  # gathered now, so released below
-            self._in_backward[u] = False
-            self.users[u] = 0
-            if group.gathered:
-                group.release()
-
-
-def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors(item)]
-    return []
 
 
 # ---- the optimizer -----------------------------------------------------------------------------
@@ -374,7 +269,7 @@ class ZeroOptimizer:
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip by the norm over every rank's shards: the global gradient norm."""
-        squares = torch.zeros(1, dtype=torch.float64)
+        squares = comm.control_tensor([0.0], self.group, torch.float64)
         for g in self.groups:
             squares += g.shard_grad.double().square().sum()
         comm.all_reduce(squares, "ZeRO: sum of squared gradient shards", self.group)

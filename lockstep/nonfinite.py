@@ -1,0 +1,109 @@
+"""Catch a NaN or inf in any rank's gradients at the step it appears.
+
+One rank's non-finite gradient becomes every rank's after the all-reduce, and from then on
+every weight: left alone, a run "finishes" with NaN weights and overwrites its good
+checkpoints with them. So the reducer looks at each local gradient as it arrives (one
+min/max pass over memory autograd has just written), and at the end of backward the ranks
+exchange one flag each -- a tiny all-reduce launched alongside the last buckets. Every rank
+then knows the same thing at the same moment: which ranks' local gradients were not
+finite. The default stops the job with an error naming the step, those ranks and the first
+parameter on each; `nonfinite="skip"` drops the step instead (every rank alike) and counts
+it.
+
+While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
+agreed skip), so the check stands aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lockstep import comm, precision
+from lockstep.logs import get_logger
+
+log = get_logger(__name__)
+
+MODES = ("error", "skip", "off")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some rank's local gradient held a NaN or inf."""
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"nonfinite must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+class FiniteCheck:
+    """Watches one reducer's gradients during each synchronised backward."""
+
+    def __init__(self, mode: str, names: Sequence[str], group: comm.Group) -> None:
+        check_mode(mode)
+        self.mode, self.names, self.group = mode, list(names), group
+        self.backwards = 0        # synchronised backwards seen, for the step in messages
+        self.skipped_steps = 0
+        self._extremes: list[tuple[int, torch.Tensor]] = []
+        self._flags: torch.Tensor | None = None
+
+    def observe(self, index: int, grad: torch.Tensor) -> None:
+        """Record parameter `index`'s local gradient: its min and max are both finite
+        exactly when every element is (NaN and inf survive min/max; no sum to overflow)."""
+        if self.mode != "off":
+            self._extremes.append((index, torch.stack(torch.aminmax(grad.detach()))))
+
+    def reset(self) -> None:
+        """Forget a backward that did not finish."""
+        self._extremes = []
+
+    def start(self) -> comm.Pending | None:
+        """Launch the exchange of flags, once all of this backward's gradients were
+        observed: flags[r] = 1 if rank r saw a non-finite gradient; the last entry counts
+        the ranks whose LossScaler is mid-step (its overflow is then expected, and every
+        rank leaves it to the scaler, whatever its own state)."""
+        self.backwards += 1
+        if self.mode == "off":
+            return None
+        size = comm.size_of(self.group)
+        flags = comm.control_tensor([0] * (size + 1), self.group)
+        if self._extremes:
+            local = torch.stack([e for _, e in self._extremes])
+            flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
+        flags[size] = int(precision.loss_scaling_pending())
+        self._flags = flags
+        return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
+                                     self.group)
+
+    def finish(self, exchange: comm.Pending | None) -> bool:
+        """Wait for the exchange: True if this step's gradients are usable. Raises
+        NonFiniteGradientError in "error" mode when they are not."""
+        flags, self._flags = self._flags, None
+        extremes, self._extremes = self._extremes, []
+        if exchange is None or flags is None:
+            return True
+        exchange.wait()
+        *per_rank, scaling = flags.tolist()
+        bad_ranks = [r for r, flag in enumerate(per_rank) if flag]
+        if not bad_ranks or scaling:
+            return True
+        where = comm.all_gather_object(self._first_bad(extremes), "naming the first "
+                                       "non-finite gradient on each rank", self.group)
+        detail = "; ".join(f"rank {r}: first in '{where[r]}'" for r in bad_ranks)
+        message = (f"rank {comm.rank_of(self.group)}: synchronised backward "
+                   f"{self.backwards}: non-finite gradient (NaN or inf) in the local gradients "
+                   f"of rank(s) {bad_ranks} ({detail})")
+        if self.mode == "error":
+            raise NonFiniteGradientError(
+                f"{message}. Stopped before the optimizer step, so the weights and the last "
+                "checkpoint are still finite. Look at that rank's batch; or wrap with "
+                "DataParallel(..., nonfinite='skip') to drop such steps instead.")
+        self.skipped_steps += 1
+        log.warning("%s; this step is skipped on every rank (%d so far)", message,
+                    self.skipped_steps)
+        return False
+
+    def _first_bad(self, extremes: list[tuple[int, torch.Tensor]]) -> str | None:
+        bad = [index for index, e in extremes if not bool(torch.isfinite(e).all())]
+        return self.names[min(bad)] if bad else None

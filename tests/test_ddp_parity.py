@@ -1,0 +1,311 @@
+"""Where torch's DistributedDataParallel gives the right answer, lockstep gives the same one.
+
+Each check trains lockstep's DataParallel and torch's DDP (or a single process on the global
+batch) side by side in the same Gloo world, on the ways DDP's users drive it: re-wrapping,
+activation checkpointing, create_graph, a backward that bypasses the wrapper, join with
+accumulation, modules with nothing to train, and ZeRO-3's state dicts.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import weakref
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+import lockstep
+from lockstep.testing import World
+from tests.models import batch, loss_of, make_model, make_optimizer
+
+PER_RANK = 6
+
+
+def _mine(x: torch.Tensor, world: lockstep.World) -> torch.Tensor:
+    return x[world.rank * PER_RANK:(world.rank + 1) * PER_RANK]
+
+
+def _grad_gap(a: nn.Module, b: nn.Module) -> float:
+    return max((p.grad - q.grad).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters(), strict=True) if p.requires_grad)
+
+
+def _param_gap(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in
+               zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+# ---- finding 1: re-wrapping ------------------------------------------------------------------
+
+
+def check_rewrap() -> dict[str, float | bool]:
+    """Drop a wrapper without close(), wrap the same module again: the gradients are
+    averaged once, and the dropped wrapper is freed. Wrap again while the first is alive:
+    the new one takes over, the old one refuses to run."""
+    world = lockstep.init()
+    net, reference = make_model("mlp"), make_model("mlp")
+    x, y = batch("mlp", 0, PER_RANK * world.world_size)
+    first = lockstep.DataParallel(net, bucket_mb=0.004)
+    loss_of("mlp", first, _mine(x, world), _mine(y, world)).backward()
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    net.zero_grad()
+    second = lockstep.DataParallel(net, bucket_mb=0.004)
+    loss_of("mlp", second, _mine(x, world), _mine(y, world)).backward()
+    loss_of("mlp", reference, x, y).backward()
+    dropped_gap = _grad_gap(net, reference)
+    third = lockstep.DataParallel(net, bucket_mb=0.004)  # `second` is still referenced
+    net.zero_grad()
+    loss_of("mlp", third, _mine(x, world), _mine(y, world)).backward()
+    live_gap = _grad_gap(net, reference)
+    try:
+        second(x)
+        old_refused = False
+    except RuntimeError as error:
+        old_refused = "superseded" in str(error)
+    return {"freed": gone() is None, "dropped_gap": dropped_gap, "live_gap": live_gap,
+            "old_refused": old_refused}
+
+
+def test_rewrapping_averages_once_and_frees_the_old_wrapper(world: World) -> None:
+    for result in world.run(check_rewrap):
+        assert result["freed"], "a dropped DataParallel was kept alive"
+        assert result["dropped_gap"] < 1e-6 and result["live_gap"] < 1e-6, result
+        assert result["old_refused"]
+
+
+# ---- finding 2: SyncBatchNorm ----------------------------------------------------------------
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn, self.out = nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.inp(x))))
+
+
+def check_syncbn_empty_batch() -> tuple[bool, float]:
+    """Rank 0 holds the whole batch, the others none: statistics and gradients are those
+    of one process on that batch (the loss is a sum, so an empty batch adds nothing)."""
+    world = lockstep.init()
+    net, reference = BNNet(), BNNet()
+    model = lockstep.DataParallel(lockstep.convert_sync_batchnorm(net))
+    x, y = batch("mlp", 3, 8)
+    mine = (x, y) if world.rank == 0 else (x[:0], y[:0])
+    out = model(mine[0])
+    F.cross_entropy(out, mine[1], reduction="sum").backward()
+    (F.cross_entropy(reference(x), y, reduction="sum") / world.world_size).backward()
+    finite = bool(torch.isfinite(out).all()) and all(
+        bool(torch.isfinite(p.grad).all()) for p in net.parameters())
+    return finite, _grad_gap(net, reference)
+
+
+def check_convert_after_wrapping() -> float:
+    """torch's converter may run after wrapping: the SyncBatchNorm layers keep the same
+    parameters, so the wrapper still reduces them."""
+    world = lockstep.init()
+    net, reference = BNNet(), BNNet()
+    model = lockstep.DataParallel(net)
+    lockstep.convert_sync_batchnorm(net)
+    x, y = batch("mlp", 4, PER_RANK * world.world_size)
+    loss_of("mlp", model, _mine(x, world), _mine(y, world)).backward()
+    loss_of("mlp", reference, x, y).backward()
+    return _grad_gap(net, reference)
+
+
+def test_syncbn_empty_batch_and_conversion_after_wrapping(world: World) -> None:
+    for finite, gap in world.run(check_syncbn_empty_batch):
+        assert finite and gap < 1e-5, gap
+    assert max(world.run(check_convert_after_wrapping)) < 1e-5
+
+
+# ---- findings 3, 4, 9: create_graph and reentrant checkpointing ------------------------------
+
+
+class Checkpointed(nn.Module):
+    """`where` says which part runs under reentrant checkpointing: the last layer, or every
+    trainable layer (with frozen input and output layers, as in a LoRA-style fine-tune
+    after Hugging Face's enable_input_require_grads)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.where = where
+        self.a, self.b, self.c = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+        if where == "all":
+            self.a.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.where == "all":
+            h.requires_grad_(True)  # enable_input_require_grads
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=True)
+            return checkpoint(self.c, h, use_reentrant=True)
+        h = torch.tanh(self.b(h))
+        return checkpoint(self.c, h, use_reentrant=True)
+
+
+def check_backward_variants() -> dict[str, float]:
+    world = lockstep.init()
+    x, y = batch("mlp", 5, PER_RANK * world.world_size)
+    gaps = {}
+    for case in ("checkpoint-last", "checkpoint-all", "create_graph"):
+        make = (lambda c=case: Checkpointed(c.split("-")[1])) if "checkpoint" in case \
+            else (lambda: make_model("mlp"))
+        net, reference = make(), make()
+        model = lockstep.DataParallel(net, bucket_mb=0.004)
+        create_graph = case == "create_graph"
+        for _ in range(2):  # the second step runs on the plan rebuilt in arrival order
+            net.zero_grad(set_to_none=True)
+            reference.zero_grad(set_to_none=True)
+            loss_of("mlp", model, _mine(x, world), _mine(y, world)).backward(
+                create_graph=create_graph)
+            loss_of("mlp", reference, x, y).backward(create_graph=create_graph)
+        gaps[case] = _grad_gap(net, reference)
+        model.close()
+    return gaps
+
+
+def test_create_graph_and_reentrant_checkpointing_match_one_process(world: World) -> None:
+    for gaps in world.run(check_backward_variants):
+        assert all(gap < 1e-6 for gap in gaps.values()), gaps
+
+
+# ---- finding 5: a backward that bypasses the wrapper -----------------------------------------
+
+
+def check_bypass(wrapper: str) -> list[float]:
+    """Rank 1 adds a loss through `.module` alone: no collective (no hang), and its
+    gradient joins the next synchronised step, as in DDP."""
+    world = lockstep.init()
+    net = make_model("mlp")
+    model = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
+    x, y = batch("mlp", 6, PER_RANK * world.world_size)
+    if world.rank == 1:
+        loss_of("mlp", model.module, x[:3], y[:3]).backward()
+    loss_of("mlp", model, _mine(x, world), _mine(y, world)).backward()
+    return [p.grad.sum().item() for p in net.parameters()]
+
+
+def test_a_backward_through_module_alone_does_not_reduce(world: World) -> None:
+    lockstep_grads = world.run(check_bypass, "lockstep", deadline_s=60)
+    ddp_grads = world.run(check_bypass, "ddp")
+    for ours, theirs in zip(lockstep_grads, ddp_grads):
+        assert ours == pytest.approx(theirs, abs=1e-6)
+
+
+# ---- finding 6: join, with accumulation, buffers and both divisors --------------------------
+
+JOIN_PATTERNS = list(itertools.product(
+    ["short-first", "short-last", "even"],  # which ranks run out early
+    [1, 2],                                  # accumulation steps (2: some run out mid-window)
+    [True, False],                           # broadcast_buffers
+    [True, False],                           # divide_by_initial_world_size
+))
+
+
+def _join_batches(shape: str, rank: int, n: int) -> int:
+    counts = {"short-first": [2, 5, 4], "short-last": [5, 4, 1], "even": [3, 3, 3]}[shape]
+    return counts[rank] if n == 3 else counts[rank * 2 if rank else 0]
+
+
+def _train_under_join(wrapper: str, shape: str, accumulate: int, buffers: bool,
+                      divide_initial: bool) -> nn.Module:
+    world = lockstep.init()
+    net = make_model("bn")
+    model: nn.Module = DDP(net, broadcast_buffers=buffers) if wrapper == "ddp" else \
+        lockstep.DataParallel(net, broadcast_buffers=buffers)
+    opt = make_optimizer("sgd", net.parameters())
+    with model.join(divide_by_initial_world_size=divide_initial):  # type: ignore[operator]
+        for i in range(_join_batches(shape, world.rank, world.world_size)):
+            syncs = (i + 1) % accumulate == 0
+            with nullcontext() if syncs else model.no_sync():  # type: ignore[operator]
+                x, y = batch("bn", 100 * i + world.rank, 5)
+                (loss_of("bn", model, x, y) / accumulate).backward()
+            if syncs:
+                opt.step()
+                opt.zero_grad()
+    return net
+
+
+def check_join_patterns() -> list[float]:
+    gaps = []
+    for pattern in JOIN_PATTERNS:
+        ours, theirs = _train_under_join("lockstep", *pattern), _train_under_join("ddp", *pattern)
+        gaps.append(_param_gap(ours, theirs))
+    return gaps
+
+
+def test_join_matches_ddp_on_every_pattern(world: World) -> None:
+    per_rank = world.run(check_join_patterns, deadline_s=240)
+    for index, pattern in enumerate(JOIN_PATTERNS):
+        worst = max(gaps[index] for gaps in per_rank)
+        assert worst < 1e-6, f"{pattern}: lockstep differs from DDP by {worst:.2e}"
+
+
+# ---- finding 7: nothing to train -------------------------------------------------------------
+
+
+def test_a_module_without_trainable_parameters_is_refused() -> None:
+    lockstep.init()
+    frozen = nn.Linear(4, 4).requires_grad_(False)
+    for module in (frozen, nn.ReLU()):
+        with pytest.raises(ValueError, match="no parameter that requires a gradient"):
+            lockstep.DataParallel(module)
+
+
+# ---- finding 8: ZeRO-3's state dicts ---------------------------------------------------------
+
+
+def check_zero3_state_dicts() -> dict[str, object]:
+    world = lockstep.init()
+    net, plain = make_model("mlp"), make_model("mlp")
+    model = lockstep.DataParallel(net, zero=3)
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
+    plain_model = lockstep.DataParallel(plain)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    x, y = batch("mlp", 7, PER_RANK * world.world_size)
+    for m, o in ((model, opt), (plain_model, plain_opt)):
+        loss_of("mlp", m, _mine(x, world), _mine(y, world)).backward()
+        o.step()
+    refusals = []
+    for read in (lambda: net.state_dict(), lambda: model.state_dict(),
+                 lambda: net[0].state_dict()):
+        try:
+            read()
+            refusals.append("")
+        except RuntimeError as error:
+            refusals.append(str(error))
+    full = model.full_state_dict()
+    gap = max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items())
+    model.close()  # gives the module its full parameters back
+    after_close = max((net.state_dict()[k] - v).abs().max().item()
+                      for k, v in plain.state_dict().items())
+    dropped = make_model("mlp")
+    lockstep.DataParallel(dropped, zero=3)  # dropped at once, without close()
+    gc.collect()
+    try:
+        dropped(x)
+        orphan = ""
+    except RuntimeError as error:
+        orphan = str(error)
+    return {"refusals": refusals, "full_gap": gap, "after_close": after_close,
+            "orphan": orphan, "keys": sorted(full) == sorted(plain.state_dict())}
+
+
+def test_zero3_state_dicts_hold_values_or_say_what_to_call(world: World) -> None:
+    for rank, result in enumerate(world.run(check_zero3_state_dicts)):
+        for message in result["refusals"]:  # type: ignore[attr-defined]
+            assert f"rank {rank}:" in message and "full_state_dict()" in message
+        assert result["keys"] and result["full_gap"] < 1e-6 and result["after_close"] < 1e-6
+        assert "dropped without close()" in result["orphan"]  # type: ignore[operator]
