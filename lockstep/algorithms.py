@@ -115,19 +115,26 @@ class Worker:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            fn, args, future = item
-            if self._failure is not None:
-                future.set_exception(self._failure)
-                continue
-            try:
-                fn(*args)
-                future.set_result(None)
-            except BaseException as error:
-                self._failure = error
-                future.set_exception(error)
+            self._run(*item)
+            del item  # hold no bucket between jobs: a closed owner frees them at once
+
+    def _run(self, fn: Callable[..., None], args: tuple[Any, ...], future: Future[None]) -> None:
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return
+        try:
+            fn(*args)
+            future.set_result(None)
+        except BaseException as error:
+            self._failure = error
+            future.set_exception(error)
 
     def close(self) -> None:
+        """Finish the jobs submitted, then stop the thread (waited for, unless called from
+        that thread itself, as a finalizer may be)."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=60)
 
 
 class Threaded(AllReduce):
@@ -144,6 +151,7 @@ class Threaded(AllReduce):
 
     def close(self) -> None:
         self._worker.close()
+        comm.destroy_group(getattr(self, "group", None))
 
 
 class _PointToPoint(Threaded):
@@ -318,6 +326,13 @@ class HostSlices:
     def end_of_backward(self) -> None:
         self.barrier.wait("every rank on the host has written its slices of this step")
 
+    def close(self) -> None:
+        """Unmap the host's buffers and give back the groups (each rank its own end)."""
+        self._peers.clear()
+        self._private.clear()
+        comm.destroy_group(self.topology.local_group)
+        comm.destroy_group(self.topology.cross_group)
+
 
 def _gaps(span: slice, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of `span` not covered by the disjoint (start, stop) ranges."""
@@ -356,6 +371,10 @@ class _OnHost:
 
     def end_of_backward(self) -> None:
         self.host.end_of_backward()
+
+    def close(self) -> None:
+        self.host.close()
+        super().close()  # type: ignore[misc]
 
 
 class SharedMemory(_OnHost, AllReduce):

@@ -159,6 +159,14 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     return group
 
 
+def destroy_group(group: Group) -> None:
+    """Give back a group from `new_group` once nothing will use it again (local: each rank
+    drops its own end). The default group is the world's, not ours to destroy."""
+    if group is not None and dist.is_initialized() and \
+            group in dist.distributed_c10d._world.pg_map:
+        dist.destroy_process_group(group)
+
+
 def barrier(what: str, group: Group = None) -> None:
     _run(what, dist.barrier, group=group)
 

@@ -77,6 +77,8 @@ class Compression:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
+            self._worker = None
+        comm.destroy_group(getattr(self, "group", None))
 
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
