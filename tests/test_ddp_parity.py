@@ -8,6 +8,7 @@ accumulation, modules with nothing to train, and ZeRO-3's state dicts.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import weakref
@@ -383,3 +384,145 @@ def check_dropped_wrappers_are_freed() -> list[str]:
 def test_wrap_train_drop_ten_times_returns_to_the_baseline(world2: World) -> None:
     for problems in world2.run(check_dropped_wrappers_are_freed, deadline_s=300):
         assert not problems, problems
+
+
+# ---- a drop-in for DDP scripts: arguments, attributes, state dicts, outputs ----------------
+
+
+@dataclasses.dataclass
+class Output:  # a Hugging Face-style output: a dataclass with the loss and the logits
+    loss: torch.Tensor
+    logits: torch.Tensor
+
+
+class OddOutputs(nn.Module):
+    """Returns its result in the structure it is asked for."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.kind, self.body, self.head = kind, nn.Linear(64, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> object:
+        h = torch.tanh(self.body(x))
+        logits = self.head(h)
+        loss = F.cross_entropy(logits, y)
+        return {"tuple": (logits, loss), "dict": {"logits": logits, "loss": loss},
+                "dataclass": Output(loss, logits), "nested": [{"out": (loss, [logits])}],
+                }[self.kind]
+
+
+def _loss_from(output: object) -> torch.Tensor:
+    if isinstance(output, Output):
+        return output.loss
+    if isinstance(output, tuple):
+        return output[1]
+    if isinstance(output, dict):
+        return output["loss"]
+    return output[0]["out"][0]  # type: ignore[index]
+
+
+def check_drop_in() -> dict[str, object]:
+    world = lockstep.init()
+    x, y = batch("mlp", 8 + world.rank, PER_RANK)
+    results: dict[str, object] = {}
+    # DDP's own keywords, accepted and meaning the same thing.
+    ddp_keywords = dict(device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                        process_group=None, bucket_cap_mb=0.01, find_unused_parameters=False,
+                        check_reduction=False, gradient_as_bucket_view=True,
+                        static_graph=False, init_sync=True)
+    ours, theirs = make_model("mlp"), make_model("mlp")
+    wrapped = lockstep.DataParallel(ours, **ddp_keywords)
+    reference = DDP(theirs, **ddp_keywords)
+    results["keys"] = list(wrapped.state_dict()) == list(reference.state_dict())
+    wrapped.load_state_dict(reference.state_dict())  # a DDP checkpoint loads as it is
+    # nanoGPT's accumulation: the flag set before each micro-step's forward.
+    spread = []
+    for model, net in ((wrapped, ours), (reference, theirs)):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        for micro in range(4):
+            model.require_backward_grad_sync = micro % 2 == 1
+            loss_of("mlp", model, x[micro:micro + 3], y[micro:micro + 3]).backward()
+            if micro % 2 == 0:  # local only: ranks hold different gradients now
+                spread.append(_spread(net.parameters().__next__().grad))
+            else:
+                opt.step()
+                opt.zero_grad()
+    results["accumulation_gap"] = _param_gap(ours, theirs)
+    results["unsynced_spread"] = min(spread)
+    for kind in ("tuple", "dict", "dataclass", "nested"):
+        a, b = OddOutputs(kind), OddOutputs(kind)
+        out_a, out_b = lockstep.DataParallel(a)(x, y), DDP(b)(x, y)
+        _loss_from(out_a).backward()
+        _loss_from(out_b).backward()
+        results[kind] = (type(out_a) is type(out_b), _grad_gap(a, b))
+    return results
+
+
+def _spread(grad: torch.Tensor) -> float:
+    """How far this rank's tensor is from rank 0's (0 once averaged)."""
+    everyone = [torch.zeros_like(grad) for _ in range(lockstep.init().world_size)]
+    torch.distributed.all_gather(everyone, grad.contiguous())
+    return max((g - everyone[0]).abs().max().item() for g in everyone)
+
+
+def test_a_ddp_script_runs_unchanged(world: World) -> None:
+    for result in world.run(check_drop_in):
+        assert result["keys"], "state_dict keys differ from DDP's"
+        assert result["accumulation_gap"] < 1e-6, result
+        assert result["unsynced_spread"] > 0, "require_backward_grad_sync=False still reduced"
+        for kind in ("tuple", "dict", "dataclass", "nested"):
+            same_type, gap = result[kind]  # type: ignore[misc]
+            assert same_type and gap < 1e-6, (kind, result[kind])
+
+
+def test_ddp_arguments_without_a_meaning_here_are_refused() -> None:
+    lockstep.init()
+    with pytest.raises(ValueError, match=r"device_ids=\[0\].*on the CPU"):
+        lockstep.DataParallel(nn.Linear(2, 2), device_ids=[0])
+    with pytest.raises(ValueError, match="mixed_precision"):
+        lockstep.DataParallel(nn.Linear(2, 2), mixed_precision=object())
+    with pytest.raises(TypeError, match="bucket_cap_mbs"):
+        lockstep.DataParallel(nn.Linear(2, 2), bucket_cap_mbs=1)
+    with pytest.raises(TypeError, match="both bucket_mb= and DDP's bucket_cap_mb="):
+        lockstep.DataParallel(nn.Linear(2, 2), 1.0, bucket_cap_mb=2)
+
+
+# ---- torch.compile, in both orders ------------------------------------------------------------
+
+
+def check_compiled(order: str) -> tuple[list[float], list[str]]:
+    """aot_eager traces like the default backend (Dynamo, then AOTAutograd) without the
+    minutes of C++ compilation inductor takes on these CPUs."""
+    import warnings
+
+    world = lockstep.init()
+    torch._dynamo.reset()
+    net = make_model("mlp")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if order == "wrap-then-compile":
+            model = torch.compile(lockstep.DataParallel(net), backend="aot_eager")
+        elif order == "compile-then-wrap":
+            model = lockstep.DataParallel(torch.compile(net, backend="aot_eager"))
+        else:
+            model = lockstep.DataParallel(net)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for step in range(4):
+            x, y = batch("mlp", step * world.world_size + world.rank, 8)
+            loss = loss_of("mlp", model, x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses, [str(w.message).splitlines()[0] for w in caught]
+
+
+def test_torch_compile_in_both_orders(world2: World) -> None:
+    plain = world2.run(check_compiled, "plain")
+    for order in ("wrap-then-compile", "compile-then-wrap"):
+        for (losses, caught), (expected, _) in zip(world2.run(check_compiled, order,
+                                                              deadline_s=300), plain):
+            assert losses == pytest.approx(expected, abs=1e-5), order
+            assert not caught, f"{order}: warnings {caught}"
