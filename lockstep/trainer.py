@@ -29,6 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from lockstep import checkpoint, comm
 from lockstep.lowcomm import DiLoCo, LocalSGD
+from lockstep.nonfinite import NonFiniteGradientError
+from lockstep.nonfinite import check_mode as check_nonfinite
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
 from lockstep.paramserver import ParameterServer, Worker, session_prefix
 from lockstep.precision import LossScaler, autocast, check_precision
@@ -99,6 +101,11 @@ class TrainConfig:
     """DataParallel's compression: None, "bf16", "fp16", PowerSGD(...) or TopK(...)."""
     zero: int = 0
     """ZeRO stage: 0, 1 (optimizer state sharded), 2 (and gradients), 3 (and weights)."""
+    nonfinite: str = "error"
+    """A NaN or inf in some rank's gradient: "error" stops the run at that step (naming the
+    step, the ranks and the first parameter, before any checkpoint takes the bad weights),
+    "skip" drops the step on every rank and counts it (`skipped_steps` in the metrics).
+    Synchronous mode only; fp16's loss scaler skips overflowing steps in any case."""
     mode: str = "sync"
     """"sync" (gradients averaged every step), "local_sgd" (parameters averaged every
     `sync_every` steps) or "diloco" (an outer Nesterov step every `sync_every` steps)."""
@@ -123,6 +130,7 @@ class TrainConfig:
         if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
             raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
         check_precision(self.precision)
+        check_nonfinite(self.nonfinite)
         if self.mode not in ("sync", "local_sgd", "diloco", "async"):
             raise ValueError(f"mode must be 'sync', 'local_sgd', 'diloco' or 'async', not "
                              f"{self.mode!r}")
@@ -228,7 +236,8 @@ class Trainer:
         if c.mode == "async":
             return LocalSGD(model, every=1)  # a replica; the parameter server keeps it current
         return DataParallel(model, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
-                            algorithm=c.algorithm, compress=c.compress, zero=c.zero)
+                            algorithm=c.algorithm, compress=c.compress, zero=c.zero,
+                            nonfinite=c.nonfinite)
 
     def _in_sync(self) -> bool:
         """Whether every replica holds the same model now (always, in sync mode)."""
@@ -283,10 +292,14 @@ class Trainer:
         """Run the rest of the current epoch; returns global samples trained."""
         batches = self._micro_batches()
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        window_kept = 0  # steps whose loss counts: not dropped for a non-finite gradient
         trained, epoch_done = 0, False
         while not epoch_done and self.state.global_step < self.total_steps:
-            window_loss += self._train_step(batches)
+            loss = self._train_step(batches)
             window_steps += 1
+            if loss is not None:
+                window_loss += loss
+                window_kept += 1
             trained += self.plan.global_batch
             self.state.global_step += 1
             self.state.step_in_epoch += 1
@@ -295,8 +308,10 @@ class Trainer:
                 self.state.step_in_epoch, epoch_done = 0, True      # at the next sample
             if self.state.global_step % self.config.log_every_steps == 0 or \
                     self.state.global_step == self.total_steps:
-                self._log_window(runlog, window_loss, window_steps, window_start)
+                self._log_window(runlog, window_loss / max(window_kept, 1), window_steps,
+                                 window_start)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+                window_kept = 0
             for callback in self.callbacks:
                 callback(self)
             if self._checkpoint_due(epoch_done):
@@ -316,8 +331,10 @@ class Trainer:
         for x, y in loader:
             yield x.to(self.world.device), y.to(self.world.device)
 
-    def _train_step(self, batches: Iterator[Batch]) -> float:
-        """One optimizer step over one global batch; returns this rank's mean loss."""
+    def _train_step(self, batches: Iterator[Batch]) -> float | None:
+        """One optimizer step over one global batch; returns this rank's mean loss, or
+        None for a step dropped for a non-finite gradient (nonfinite="skip")."""
+        dropped_before = self._dropped_steps()
         if self.schedule is not None:
             set_lr(self.optimizer, self.schedule(self.state.global_step))
         total = 0.0
@@ -327,7 +344,12 @@ class Trainer:
             with contextlib.nullcontext() if last else self.model.no_sync():
                 with autocast(self.config.precision, self.world.device):
                     loss = self.loss_fn(self.model(x), y) / self.plan.accumulation
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                try:
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
+                except NonFiniteGradientError as error:
+                    raise NonFiniteGradientError(
+                        f"training step {self.state.global_step + 1} (epoch "
+                        f"{self.state.epoch}): {error}") from None
             total += loss.item()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # true gradients, before clipping
@@ -346,16 +368,21 @@ class Trainer:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.last_loss = total
-        return total
+        return total if self._dropped_steps() == dropped_before else None
 
-    def _log_window(self, runlog: RunLog, loss_sum: float, steps: int, started: float) -> None:
-        mean = torch.tensor([loss_sum / steps])
+    def _dropped_steps(self) -> int:
+        return int(self.model.comm_stats().get("skipped_steps", 0))
+
+    def _log_window(self, runlog: RunLog, mean_loss: float, steps: int, started: float) -> None:
+        mean = comm.control_tensor([mean_loss], dtype=torch.float32)
         comm.all_reduce(mean, "trainer: average of the logged loss")
         loss = mean.item() / self.world.world_size
         speed = steps * self.plan.global_batch / max(time.perf_counter() - started, 1e-9)
         lr = self.optimizer.param_groups[0]["lr"]
         wire = self.model.comm_stats()
         extra = {"loss_scale": self.scaler.scale_value} if self.scaler else {}
+        if "skipped_steps" in wire:
+            extra["skipped_steps"] = wire["skipped_steps"]
         runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
                       lr=float(lr), epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
                       compression=wire["compression_ratio"], **extra)
@@ -385,7 +412,8 @@ class Trainer:
             else:
                 worker = Worker(module, prefix, c.max_staleness)
                 samples, stats = self._work_async(worker, runlog), {}
-            totals = torch.tensor([float(samples), time.perf_counter() - started])
+            totals = comm.control_tensor([float(samples), time.perf_counter() - started],
+                                         dtype=torch.float64)
             comm.all_reduce(totals, "async: samples trained")
             stats = comm.broadcast_object(stats, 0, "async: server statistics")
             metrics = self._evaluate_and_record(runlog)
@@ -449,7 +477,7 @@ class Trainer:
         valid = len(range(self.world.rank, len(self.eval_set), n))  # type: ignore[arg-type]
         loader = DataLoader(self.eval_set, batch_size=self.config.eval_batch_size,
                             sampler=sampler, generator=torch.Generator())  # global RNG untouched
-        sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct sum, count
+        sums = comm.control_tensor([0, 0, 0], dtype=torch.float64)  # loss, correct, count
         self.model.eval()
         seen = 0
         for x, y in loader:

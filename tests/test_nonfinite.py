@@ -1,0 +1,109 @@
+"""A NaN or inf on one rank is caught at the step it appears, never spread silently.
+
+One rank's bad batch at step 4: by default every rank stops there with an error naming the
+step, that rank and the first parameter, with finite weights and the last checkpoint
+intact; with nonfinite="skip" every rank drops that step alike and training goes on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lockstep
+from lockstep import checkpoint
+from lockstep.nonfinite import NonFiniteGradientError
+from lockstep.testing import World
+from tests.models import batch, digest, make_model
+from tests.test_trainer import config, digit_sets, sgd
+
+BAD_STEP, BAD_RANK = 4, 1
+
+
+def _poisoned(x: torch.Tensor, step: int, rank: int, value: float) -> torch.Tensor:
+    if step == BAD_STEP and rank == BAD_RANK:
+        x = x.clone()
+        x[0, 0] = value
+    return x
+
+
+def check_loop(mode: str, precision: str, value: float) -> dict[str, object]:
+    """A plain training loop; rank 1's input holds `value` at step 4."""
+    world = lockstep.init()
+    net = make_model("mlp")
+    model = lockstep.DataParallel(net, bucket_mb=0.004, nonfinite=mode)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    error, steps_done = "", 0
+    for step in range(1, 7):
+        x, y = batch("mlp", step * world.world_size + world.rank, 8)
+        x = _poisoned(x, step, world.rank, value)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        try:
+            with torch.autocast("cpu", dtype=dtype, enabled=precision == "bf16"):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        except NonFiniteGradientError as caught:
+            error = str(caught)
+            break
+        opt.step()
+        opt.zero_grad()
+        steps_done = step
+    finite = all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    return {"error": error, "steps": steps_done, "finite": finite, "digest": digest(net),
+            "skipped": model.comm_stats()["skipped_steps"]}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(world2: World, precision: str) -> None:
+    for rank, result in enumerate(world2.run(check_loop, "error", precision, float("nan"))):
+        assert result["steps"] == BAD_STEP - 1 and result["finite"], result
+        message = result["error"]
+        assert f"rank {rank}: synchronised backward {BAD_STEP}:" in message  # type: ignore[operator]
+        assert f"rank(s) [{BAD_RANK}]" in message and "first in '0.weight'" in message  # type: ignore[operator]
+
+
+def test_skip_drops_the_step_on_every_rank_and_goes_on(world2: World) -> None:
+    results = world2.run(check_loop, "skip", "fp32", float("inf"))
+    assert len({r["digest"] for r in results}) == 1  # replicas stayed identical
+    for result in results:
+        assert result["steps"] == 6 and result["finite"] and result["skipped"] == 1, result
+
+
+def check_trainer(run_dir: str, mode: str) -> dict[str, object]:
+    """The Trainer with checkpoints every 2 steps and a NaN loss on rank 1 at step 5."""
+    world = lockstep.init()
+    train_set, test_set = digit_sets()
+    seen = {"step": 0}
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(out, y)
+        return loss * float("nan") if world.rank == 1 and seen["step"] == 4 else loss
+
+    trainer = lockstep.Trainer(make_model("mlp"), sgd, train_set, test_set, loss_fn=loss_fn,
+                               config=config(run_dir, max_steps=8, checkpoint_every_steps=2,
+                                             nonfinite=mode),
+                               callbacks=[lambda t: seen.update(step=t.state.global_step)])
+    try:
+        summary = trainer.fit()
+    except NonFiniteGradientError as error:
+        summary = {"error": str(error)}
+    saved = [int(p.name.split("-")[-1])
+             for p in checkpoint.list_checkpoints(Path(run_dir) / "checkpoints")]
+    return {"summary": summary, "saved": sorted(saved),
+            "finite": all(bool(torch.isfinite(p).all())
+                          for p in trainer.model.module.parameters())}
+
+
+def test_the_trainer_stops_before_a_checkpoint_takes_the_bad_weights(world2: World,
+                                                                      tmp_path: Path) -> None:
+    for rank, result in enumerate(world2.run(check_trainer, str(tmp_path / "error"), "error")):
+        assert f"training step 5 (epoch 0): rank {rank}:" in result["summary"]["error"]  # type: ignore[index]
+        assert result["saved"] == [2, 4] and result["finite"], result
+    for result in world2.run(check_trainer, str(tmp_path / "skip"), "skip"):
+        assert result["summary"]["steps"] == 8 and result["finite"], result  # type: ignore[index]
+        assert result["saved"][-1] == 8
+    logged = (tmp_path / "skip" / "metrics.jsonl").read_text()
+    assert '"skipped_steps": 1' in logged
