@@ -39,7 +39,7 @@ def _context() -> Any:
 
 
 def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
-            tasks: Any, results: Any, env: dict[str, str]) -> None:
+            tasks: Any, results: Any, env: dict[str, str], backend: str) -> None:
     # One host by default; LOCAL_WORLD_SIZE in `env` splits the world into emulated hosts.
     local_world_size = int(env.get("LOCAL_WORLD_SIZE", world_size))
     os.environ.update(env)
@@ -53,7 +53,9 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
 
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+    if backend == "nccl":  # one GPU per rank, as lockstep.init picks it
+        torch.cuda.set_device(rank % local_world_size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
     lockstep.init()
     while True:
@@ -68,7 +70,10 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
             continue
         if probe:  # a function that caught a collective failure may have broken the group
             try:
-                dist.monitored_barrier(timeout=timedelta(seconds=10))
+                if backend == "gloo":  # NCCL has no monitored barrier
+                    dist.monitored_barrier(timeout=timedelta(seconds=10))
+                else:
+                    dist.barrier()
             except RuntimeError as error:
                 results.put((rank, False, f"{_name(fn)} returned, but left the process "
                                           f"group unusable: {error}"))
@@ -78,11 +83,13 @@ def _worker(rank: int, world_size: int, store_path: str, timeout_s: float,
 
 
 class World:
-    """N processes joined in one Gloo process group, kept alive between calls."""
+    """N processes joined in one process group (Gloo; NCCL on GPUs when asked), kept alive
+    between calls."""
 
     def __init__(self, world_size: int, collective_timeout_s: float = 30.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, backend: str = "gloo") -> None:
         self.world_size = world_size
+        self.backend = backend
         self.collective_timeout_s = collective_timeout_s
         self.env = dict(env or {})
         self._procs: list[Any] = []
@@ -97,7 +104,7 @@ class World:
         self._procs = [ctx.Process(target=_worker, daemon=True, name=f"lockstep-rank{rank}",
                                    args=(rank, self.world_size, store_path,
                                          self.collective_timeout_s, self._tasks[rank],
-                                         self._results, self.env))
+                                         self._results, self.env, self.backend))
                        for rank in range(self.world_size)]
         for proc in self._procs:
             proc.start()
