@@ -11,7 +11,7 @@ goes first each round, and prints:
 - the speed ratio lockstep/DDP: DDP's training-loop time over lockstep's (first step left
   out: startup, bucket rebuilds), the median over rounds, against the 0.95 target.
 
-    python benchmarks/dropin.py                     # 4 rounds of all three (~5 minutes)
+    python benchmarks/dropin.py                     # 4 rounds of all three (minutes)
     python benchmarks/dropin.py --rounds 8 --scripts gpt
 
 Times on a shared machine move a lot between minutes; only ratios within a round mean much.
@@ -108,25 +108,30 @@ def loop_seconds(record: dict[str, list[float]]) -> float:
 
 
 def bench(name: str, rounds: int, scratch: Path) -> None:
+    """`rounds` runs with each wrapper, alternating which goes first; a wrapper that fails
+    once is not run again (DDP's rounds still run, to show its losses and times)."""
     runs: dict[str, list[dict[str, list[float]]]] = {"ddp": [], "lockstep": []}
+    failed: set[str] = set()
     for r in range(rounds):
         for wrapper in ("ddp", "lockstep") if r % 2 == 0 else ("lockstep", "ddp"):
+            if wrapper in failed:
+                continue
             try:
                 runs[wrapper].append(run_script(name, wrapper, False,
                                                 scratch / f"{name}-{wrapper}-{r}"))
             except ScriptFailed as e:
                 print(f"  round {r}: FAILED {e}", flush=True)
-                if wrapper == "lockstep":
-                    return report(name, runs)
-    report(name, runs)
+                failed.add(wrapper)
+    report(runs)
 
 
-def report(name: str, runs: dict[str, list[dict[str, list[float]]]]) -> None:
+def report(runs: dict[str, list[dict[str, list[float]]]]) -> None:
     ddp, ours = runs["ddp"], runs["lockstep"]
     if ddp:
         steps, ddp_self = len(ddp[0]["losses"]), max(
             max_difference(ddp[0]["losses"], d["losses"]) for d in ddp)
-        print(f"  DDP: {len(ddp)} run(s) of {steps} steps, loop {loop_seconds(ddp[0]):.2f} s; "
+        loop = statistics.median(loop_seconds(d) for d in ddp)
+        print(f"  DDP: {len(ddp)} run(s) of {steps} steps, loop {loop:.2f} s (median); "
               f"max |loss difference| between DDP's own runs: {ddp_self:.1e}")
     if not (ddp and ours):
         print("  no comparison: a side did not finish", flush=True)
