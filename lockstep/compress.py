@@ -185,7 +185,7 @@ class PowerSGD(Compression):
         if key not in self._qs:  # the same random start on every rank
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self._qs))
             self._qs[key] = torch.randn(m.shape[1], self.rank, generator=generator,
-                                        dtype=m.dtype)
+                                        dtype=m.dtype).to(m.device)
         return self._qs[key]
 
     def _all_reduce_list(self, tensors: list[torch.Tensor], what: str) -> None:
@@ -232,8 +232,8 @@ class TopK(Compression):
         residual[indices] = 0
         self._errors[key] = residual
         # int32 indices: half the bytes of int64, enough for any bucket under 8 GB.
-        everyone_i = torch.empty(self.world_size * k, dtype=torch.int32)
-        everyone_v = torch.empty(self.world_size * k, dtype=flat.dtype)
+        everyone_i = torch.empty(self.world_size * k, dtype=torch.int32, device=flat.device)
+        everyone_v = torch.empty(self.world_size * k, dtype=flat.dtype, device=flat.device)
         comm.all_gather_into(everyone_i, indices.to(torch.int32),
                              f"TopK indices of {bucket.label}", self.group)
         comm.all_gather_into(everyone_v, values, f"TopK values of {bucket.label}", self.group)

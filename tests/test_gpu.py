@@ -76,6 +76,7 @@ def check_equivalence_zero_and_compression() -> dict[str, float]:
         gaps[f"zero{stage}"] = _train("mlp", device, zero=stage)[0]
     gaps["bf16 wire"] = _train("mlp", device, compress="bf16")[0]
     gaps["PowerSGD"] = _train("mlp", device, compress=lockstep.PowerSGD(rank=4))[0]
+    gaps["TopK"] = _train("mlp", device, compress=lockstep.TopK(0.5))[0]
     return gaps
 
 
@@ -83,7 +84,7 @@ def test_equivalence_zero_and_compression_on_gpus(gpu_world: World) -> None:
     for gaps in gpu_world.run(check_equivalence_zero_and_compression, deadline_s=300):
         for name in ("mlp", "transformer", "zero1", "zero2", "zero3"):
             assert gaps[name] < 5e-5, (name, gaps[name])
-        assert gaps["bf16 wire"] < 5e-2 and gaps["PowerSGD"] < 0.5, gaps
+        assert gaps["bf16 wire"] < 5e-2 and gaps["PowerSGD"] < 0.5 and gaps["TopK"] < 0.5, gaps
 
 
 def check_trainer(run_dir: str, precision: str) -> dict[str, object]:
