@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from lockstep import comm
+from lockstep.reduction import Bucket, Done, Handle, Reduction, scaled_copy
 from lockstep.shm import HostBarrier, HostMemory
 from lockstep.topology import Topology, check_layout
 from lockstep.world import current
@@ -38,41 +39,23 @@ from lockstep.world import current
 ALGORITHMS = ("native", "ring", "tree", "shm", "hierarchical")
 
 
-class Handle(Protocol):
-    def wait(self) -> None: ...
+class AllReduce(Reduction):
+    """A reduction that sums a bucket's flat buffer in place: `all_reduce` is the one thing
+    a new algorithm says. Subclasses may also choose where buffers live."""
 
+    def start(self, bucket: Bucket) -> Handle:
+        return self.all_reduce(bucket.flat, bucket.label)
 
-def scaled_copy(grad: torch.Tensor, view: torch.Tensor, scale: float) -> None:
-    if scale != 1.0:
-        torch.mul(grad, scale, out=view)
-    else:
-        view.copy_(grad)
-
-
-class AllReduce:
-    """Sums flat buckets across ranks. Subclasses choose where buckets live and how."""
-
-    name = "?"
-
-    def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
-               flat: torch.Tensor) -> None:
-        """Move a fresh gradient, times `scale`, into its slot `view` of bucket `flat`."""
-        scaled_copy(grad, view, scale)
-
-    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.zeros(numel, dtype=dtype, device=device)
-
-    def start(self, flat: torch.Tensor, label: str) -> Handle:
+    def all_reduce(self, flat: torch.Tensor, label: str) -> Handle:
+        """Begin summing `flat` across ranks, in place."""
         raise NotImplementedError
 
-    def free(self, flat: torch.Tensor) -> None:
-        """A bucket from `allocate` is no longer used (the plan was rebuilt)."""
-
-    def end_of_backward(self) -> None:
-        """Called once all of a backward's buckets are done."""
-
-    def close(self) -> None:
-        """Release threads and memory."""
+    def for_compressor(self) -> AllReduce:
+        """This algorithm over a process group of its own, for a compressor that calls it
+        from its own thread (collectives of two threads must never share a group)."""
+        raise ValueError(f"the {self.name} algorithm sums only buffers it allocated itself; "
+                         "compression sends tensors of its own: use algorithm='native', "
+                         "'ring' or 'tree' with compress=")
 
 
 class Native(AllReduce):
@@ -80,9 +63,19 @@ class Native(AllReduce):
 
     def __init__(self, group: comm.Group) -> None:
         self.group = group
+        self._own_group = False
 
-    def start(self, flat: torch.Tensor, label: str) -> Handle:
+    def all_reduce(self, flat: torch.Tensor, label: str) -> Handle:
         return comm.all_reduce_async(flat, label, self.group)
+
+    def for_compressor(self) -> AllReduce:
+        own = Native(comm.new_group(comm.group_ranks(self.group)))
+        own._own_group = True
+        return own
+
+    def close(self) -> None:
+        if self._own_group:
+            comm.destroy_group(self.group)
 
 
 class _FutureHandle:
@@ -143,7 +136,7 @@ class Threaded(AllReduce):
     def __init__(self) -> None:
         self._worker = Worker(self.name)
 
-    def start(self, flat: torch.Tensor, label: str) -> Handle:
+    def all_reduce(self, flat: torch.Tensor, label: str) -> Handle:
         return self._worker.submit(self.reduce, flat, label)
 
     def reduce(self, flat: torch.Tensor, label: str) -> None:
@@ -165,6 +158,8 @@ class _PointToPoint(Threaded):
         self._held: torch.Tensor | None = None
         super().__init__()
 
+    def for_compressor(self) -> AllReduce:
+        return self  # its own group and thread already
     def _scratch(self, like: torch.Tensor, numel: int) -> torch.Tensor:
         """A receive buffer of at least `numel` elements kept between buckets: a fresh one
         each time would pay a page fault per 4 KB on first touch (thousands for a large
@@ -346,13 +341,6 @@ def _gaps(span: slice, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return gaps
 
 
-class Done:
-    """The handle of a reduction that finished before it was returned."""
-
-    def wait(self) -> None:
-        """Already complete."""
-
-
 class _OnHost:
     """What shm and hierarchical share: buckets in host memory, each rank's share of the
     work on its slice (see HostSlices)."""
@@ -360,8 +348,8 @@ class _OnHost:
     host: HostSlices
 
     def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
-               flat: torch.Tensor) -> None:
-        self.host.absorb(grad, view, scale, flat)
+               bucket: Bucket) -> None:
+        self.host.absorb(grad, view, scale, bucket.flat)
 
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.host.allocate(numel, dtype, device)
@@ -369,7 +357,7 @@ class _OnHost:
     def free(self, flat: torch.Tensor) -> None:
         self.host.free(flat)
 
-    def end_of_backward(self) -> None:
+    def finish(self, buckets: Sequence[Bucket]) -> None:
         self.host.end_of_backward()
 
     def close(self) -> None:
@@ -389,7 +377,7 @@ class SharedMemory(_OnHost, AllReduce):
     def __init__(self, topology: Topology, timeout_s: float) -> None:
         self.host = HostSlices(topology, timeout_s)
 
-    def start(self, flat: torch.Tensor, label: str) -> Handle:
+    def all_reduce(self, flat: torch.Tensor, label: str) -> Handle:
         total, mine = self.host.sum_my_slice(flat, label)
         self.host.publish(flat, total, mine)
         return Done()

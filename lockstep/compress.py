@@ -25,32 +25,35 @@ next to what an uncompressed reduction would have sent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch._utils import _unflatten_dense_tensors
 
 from lockstep import comm
-from lockstep.algorithms import Handle, Worker
-
-if TYPE_CHECKING:
-    from lockstep.reducer import Bucket
+from lockstep.algorithms import AllReduce, Worker, make_algorithm
+from lockstep.reduction import Bucket, Handle, Reduction
 
 
-class Compression:
-    """Base class: reduces one bucket at a time on its own thread and group (a cast,
-    cheap enough for the backward thread, overrides `start` and never needs the thread)."""
+class Compression(Reduction):
+    """A reduction that changes what goes on the wire, summing through the algorithm it
+    wraps (`wrap`). It reduces one bucket at a time on its own thread, so the wrapped
+    algorithm runs over a process group of its own (a cast, cheap enough for the backward
+    thread, overrides `start` and never needs the thread)."""
 
     name = "?"
     warmup_steps = 0  # synchronised steps sent uncompressed before compression starts
     step = 0          # synchronised steps so far
 
-    def bind(self, group: comm.Group) -> None:
-        """Attach to the job. Collective: creates a process group on every rank."""
-        self.group = comm.new_group(comm.group_ranks(group))
-        self.world_size = comm.size_of(group)
+    def wrap(self, algorithm: AllReduce, world_size: int) -> None:
+        """Take over reducing buckets, summing through `algorithm`. Collective: it may
+        create a process group on every rank; refused for algorithms that sum only their
+        own buffers."""
+        self.inner = algorithm.for_compressor()
+        self.group = self.inner.group  # type: ignore[attr-defined]
+        self.world_size = world_size
         self._worker: Worker | None = None  # started with the first bucket it reduces
-        self.sent_bytes = 0
+        self._sent = 0
 
     def start(self, bucket: Bucket) -> Handle:
         if self._worker is None:
@@ -66,19 +69,25 @@ class Compression:
     def compress_bucket(self, bucket: Bucket) -> None:
         raise NotImplementedError
 
-    def end_of_step(self) -> None:
-        """Called after every synchronised backward."""
+    def finish(self, buckets: Any) -> None:
         self.step += 1
 
+    def sent_bytes(self, buckets: Any) -> int:
+        sent, self._sent = self._sent, 0
+        return sent
+
+    def _all_reduce_async(self, tensor: torch.Tensor, what: str) -> Handle:
+        self._sent += tensor.numel() * tensor.element_size()
+        return self.inner.all_reduce(tensor, what)
+
     def _all_reduce(self, tensor: torch.Tensor, what: str) -> None:
-        comm.all_reduce(tensor, what, self.group)
-        self.sent_bytes += tensor.numel() * tensor.element_size()
+        self._all_reduce_async(tensor, what).wait()
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
-        comm.destroy_group(getattr(self, "group", None))
+        self.inner.close()
 
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -94,14 +103,12 @@ class Cast(Compression):
         """No thread: the cast is cheap, so the narrow all-reduce starts at once on the
         backward thread, and several buckets can be on the wire together (in order)."""
         narrow = bucket.flat.to(self.dtype)
-        pending = comm.all_reduce_async(narrow, f"{self.name} all-reduce of {bucket.label}",
-                                        self.group)
-        self.sent_bytes += narrow.numel() * narrow.element_size()
+        pending = self._all_reduce_async(narrow, f"{self.name} all-reduce of {bucket.label}")
         return _WidenWhenDone(pending, narrow, bucket.flat)
 
 
 class _WidenWhenDone:
-    def __init__(self, pending: comm.Pending, narrow: torch.Tensor, flat: torch.Tensor) -> None:
+    def __init__(self, pending: Handle, narrow: torch.Tensor, flat: torch.Tensor) -> None:
         self.pending, self.narrow, self.flat = pending, narrow, flat
 
     def wait(self) -> None:
@@ -153,9 +160,7 @@ class PowerSGD(Compression):
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
             whole = self._packed(vectors)
-            in_flight = comm.all_reduce_async(whole, f"PowerSGD uncompressed part of {label}",
-                                              self.group)
-            self.sent_bytes += whole.numel() * whole.element_size()
+            in_flight = self._all_reduce_async(whole, f"PowerSGD uncompressed part of {label}")
         if matrices:
             self._compress(matrices, label)
         if in_flight is not None:
@@ -237,7 +242,7 @@ class TopK(Compression):
         comm.all_gather_into(everyone_i, indices.to(torch.int32),
                              f"TopK indices of {bucket.label}", self.group)
         comm.all_gather_into(everyone_v, values, f"TopK values of {bucket.label}", self.group)
-        self.sent_bytes += k * (4 + values.element_size())
+        self._sent += k * (4 + values.element_size())
         flat.zero_()
         flat.index_add_(0, everyone_i.long(), everyone_v)
 
@@ -252,3 +257,20 @@ def make_compression(spec: Any) -> Compression | None:
         return Cast(spec)
     raise ValueError(f"compress must be None, 'bf16', 'fp16', lockstep.PowerSGD(...) or "
                      f"lockstep.TopK(...); got {spec!r}")
+
+
+def make_reduction(algorithm: str, compress: Any, group: comm.Group,
+                   local_world_size: int) -> Reduction:
+    """The named algorithm, wrapped by the compressor if one is asked for. Collective:
+    creates process groups on every rank. Combinations that cannot work are refused here
+    (a compressor over an algorithm that sums only its own buffers)."""
+    reduction = make_algorithm(algorithm, group, local_world_size)
+    compression = make_compression(compress)
+    if compression is None:
+        return reduction
+    try:
+        compression.wrap(reduction, comm.size_of(group))
+    except ValueError:
+        reduction.close()
+        raise
+    return compression

@@ -182,8 +182,8 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
     while len(times) < 2 or (spent < budget_s and len(times) < most):
         comm.barrier("cost model: start together")
         started = time.perf_counter()
-        algorithm.start(flat, f"{nbytes} bytes").wait()
-        algorithm.end_of_backward()
+        algorithm.all_reduce(flat, f"{nbytes} bytes").wait()
+        algorithm.finish([])
         elapsed = torch.tensor([time.perf_counter() - started])
         comm.all_reduce(elapsed, "cost model: the slowest rank",
                         op=torch.distributed.ReduceOp.MAX)

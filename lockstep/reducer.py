@@ -29,27 +29,16 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.autograd import Variable
 
 from lockstep import comm
-from lockstep.algorithms import AllReduce, Handle, Native, scaled_copy
-from lockstep.buckets import (
-    MB,
-    BucketSpec,
-    ParamSlot,
-    arrival_order,
-    plan_buckets,
-    reverse_registration_order,
-)
-from lockstep.compress import Compression
-from lockstep.nonfinite import FiniteCheck
-
-if TYPE_CHECKING:
-    from lockstep.zero import Sharding
+from lockstep.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
 from lockstep.logs import get_logger
+from lockstep.nonfinite import FiniteCheck
+from lockstep.reduction import Bucket, Reduction, scaled_copy
 
 log = get_logger(__name__)
 
@@ -58,44 +47,25 @@ class UnusedParameterError(RuntimeError):
     """A trainable parameter got no gradient in a synchronised backward."""
 
 
-class Bucket:
-    """One flat gradient buffer and the parameters whose `.grad` are views into it."""
-
-    def __init__(self, index: int, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
-                 label: str, algorithm: AllReduce, padded_numel: int | None = None) -> None:
-        self.index, self.spec = index, spec  # index: its place in the plan (launch order)
-        self.params = [params[i] for i in spec.param_indices]
-        first = self.params[0]
-        # ZeRO pads a bucket to a multiple of the world size, so it splits into equal shards.
-        self.flat = algorithm.allocate(padded_numel or spec.numel, first.dtype, first.device)
-        self.views = [self.flat[offset:offset + p.numel()].view_as(p)
-                      for offset, p in zip(spec.offsets, self.params, strict=True)]
-        self.waiting = len(self.params)  # parameters not yet ready in this backward
-        self.pending: Handle | None = None
-        self.label = label
-
-
 def _slots(params: Sequence[torch.nn.Parameter]) -> list[ParamSlot]:
     return [ParamSlot(i, p.numel(), str(p.dtype), p.element_size()) for i, p in
             enumerate(params)]
 
 
 class Reducer:
-    """Bucketed, overlapped gradient averaging for one replica's trainable parameters."""
+    """Bucketed, overlapped gradient averaging for one replica's trainable parameters,
+    each bucket travelling the way its `Reduction` says (reduction.py)."""
 
     def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
-                 bucket_cap_bytes: int, first_bucket_bytes: int, find_unused: bool = False,
-                 group: comm.Group = None, algorithm: AllReduce | None = None,
-                 compression: Compression | None = None,
-                 sharding: Sharding | None = None, nonfinite: str = "error") -> None:
+                 reduction: Reduction, bucket_cap_bytes: int, first_bucket_bytes: int,
+                 find_unused: bool = False, group: comm.Group = None,
+                 nonfinite: str = "error") -> None:
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.reduction = reduction
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
         self.find_unused = find_unused
         self.group = group
-        self.algorithm = algorithm or Native(group)
-        self.compression = compression
-        self.sharding = sharding  # ZeRO: a fixed plan of padded buckets, reduced its way
         self.finite = FiniteCheck(nonfinite, self.names, group)
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
         self.world_size = comm.size_of(group)
@@ -107,9 +77,8 @@ class Reducer:
         self._next_launch = 0
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))  # got a gradient since the last sync
-        # Recorded during the first synced backward, to rebuild the plan in arrival order --
-        # except under ZeRO, whose plan is also the layout of the sharded parameters.
-        self._arrivals: list[int] | None = [] if sharding is None else None
+        # Recorded during the first synced backward, to rebuild the plan in arrival order.
+        self._arrivals: list[int] | None = []
         self._learned_order: list[int] | None = None
         self._warned_create_graph = False
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, i))
@@ -118,15 +87,16 @@ class Reducer:
     # ---- plan -------------------------------------------------------------------------
 
     def _build(self, order: list[int]) -> None:
-        """(Re)allocate buckets for `order`, carrying over any gradient already held."""
-        self._free_buckets()
+        """(Re)allocate buckets for `order`, carrying over any gradient already held. A
+        plan that comes out as it was (ZeRO's is fixed) is kept as it is."""
         slots = _slots(self.params)
-        specs = self.sharding.specs if self.sharding is not None else \
-            plan_buckets([slots[i] for i in order], self.cap_bytes, self.first_cap_bytes)
-        padded = self.sharding.padded if self.sharding is not None else (lambda n: n)
+        specs = self.reduction.plan([slots[i] for i in order], self.cap_bytes,
+                                    self.first_cap_bytes)
+        if specs == [b.spec for b in self.buckets]:
+            return
+        self._free_buckets()
         self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
-                               f"({spec.numel} x {spec.dtype})", self.algorithm,
-                               padded(spec.numel))
+                               f"({spec.numel} x {spec.dtype})", self.reduction)
                         for k, spec in enumerate(specs)]
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
@@ -134,6 +104,7 @@ class Reducer:
                 self._where[index] = (bucket, view)
                 param = self.params[index]
                 if param.grad is not None:
+                    self.reduction.materialize(bucket)
                     _adopt(param, view, 1.0)
 
     def bucket_sizes_mb(self) -> list[float]:
@@ -196,8 +167,7 @@ class Reducer:
     def _on_grad_ready(self, index: int) -> None:
         bucket, view = self._where[index]
         param = self.params[index]
-        if self.sharding is not None:
-            self.sharding.materialize(bucket)
+        self.reduction.materialize(bucket)
         self._used[index] = 1
         if not self._armed:  # accumulate in the bucket slot, unscaled, until the sync
             _adopt(param, view, 1.0)
@@ -212,7 +182,7 @@ class Reducer:
         self._ready[index] = 1
         self._check_create_graph(param)
         self.finite.observe(index, param.grad)  # type: ignore[arg-type]
-        _adopt(param, view, 1.0 / self.divisor, self.algorithm, bucket.flat)
+        _adopt(param, view, 1.0 / self.divisor, self.reduction, bucket)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
@@ -232,12 +202,7 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
-            if self.sharding is not None:
-                bucket.pending = self.sharding.start(bucket)
-            elif self.compression is not None:
-                bucket.pending = self.compression.start(bucket)
-            else:
-                bucket.pending = self.algorithm.start(bucket.flat, bucket.label)
+            bucket.pending = self.reduction.start(bucket)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -267,8 +232,7 @@ class Reducer:
         state) as it was -- on every rank, since all agreed."""
         for param in self.params:
             param.grad = None
-        if self.sharding is not None:
-            self.sharding.drop_step()
+        self.reduction.drop_step(self.buckets)
 
     def _fill_unready(self, unready: list[int]) -> list[int]:
         """Give parameters that got no gradient this backward a defined slot value: zero if
@@ -278,8 +242,7 @@ class Reducer:
         for index in unready:
             bucket, view = self._where[index]
             param = self.params[index]
-            if self.sharding is not None:
-                self.sharding.materialize(bucket)
+            self.reduction.materialize(bucket)
             if param.grad is None:
                 view.zero_()
                 param.grad = view
@@ -295,15 +258,10 @@ class Reducer:
             assert bucket.pending is not None, f"{bucket.label} was never launched"
             bucket.pending.wait()
             bucket.pending = None
-        self.algorithm.end_of_backward()
-        if self.sharding is not None:
-            self.sharding.after_backward(self.buckets)
+        self.reduction.finish(self.buckets)
         raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
-        sent = raw
-        if self.compression is not None:
-            sent, self.compression.sent_bytes = self.compression.sent_bytes, 0
-            self.compression.end_of_step()
-        self.stats = {"bytes_sent": sent, "bytes_uncompressed": raw}
+        self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
+                      "bytes_uncompressed": raw}
 
     def _drop_globally_unused(self, emptied: list[int]) -> None:
         """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
@@ -362,7 +320,7 @@ class Reducer:
 
     def _free_buckets(self) -> None:
         for bucket in self.buckets:
-            self.algorithm.free(bucket.flat)
+            self.reduction.free(bucket.flat)
         self.buckets = []
 
     def detach(self) -> None:
@@ -376,14 +334,14 @@ class Reducer:
 
 
 def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
-           algorithm: AllReduce | None = None, flat: torch.Tensor | None = None) -> None:
+           reduction: Reduction | None = None, bucket: Bucket | None = None) -> None:
     """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory, and
     point `.grad` at the slot.
 
     Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
     pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
     overflow in low precision). A fresh tensor from autograd (after
-    zero_grad(set_to_none=True)) is handed to the algorithm, which may move only what its
+    zero_grad(set_to_none=True)) is handed to the reduction, which may move only what its
     peers will read (see HostSlices.absorb); one already in the slot is scaled in place.
     """
     grad = param.grad
@@ -393,10 +351,10 @@ def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
             view.mul_(scale)
         return
     with torch.no_grad():  # under create_graph the gradient has a graph: take its values
-        if algorithm is None or flat is None:
+        if reduction is None or bucket is None:
             scaled_copy(grad, view, scale)
         else:
-            algorithm.absorb(grad, view, scale, flat)
+            reduction.absorb(grad, view, scale, bucket)
     param.grad = view
 
 

@@ -25,15 +25,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lockstep import comm
 from lockstep import zero as zero_mod
-from lockstep.algorithms import make_algorithm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
-from lockstep.compress import make_compression
+from lockstep.compress import make_reduction
 from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter
 from lockstep.gather import Gatherer, guard_orphans, has_no_values
 from lockstep.logs import get_logger
 from lockstep.nonfinite import check_mode
 from lockstep.reducer import Reducer, trainable
+from lockstep.reduction import Reduction
 from lockstep.world import current
 
 log = get_logger(__name__)
@@ -150,27 +150,20 @@ class DataParallel(nn.Module):
             comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                    "broadcast of rank 0's parameters and buffers", self.group)
         self.zero = _check_zero(zero, compress, algorithm)
-        self.algorithm = make_algorithm(algorithm, self.group, self.world.local_world_size)
-        self.compression = make_compression(compress)
-        if self.compression is not None:
-            if algorithm != "native":
-                raise ValueError(f"compress={compress!r} sends its own messages; it works "
-                                 f"with algorithm='native', not {algorithm!r}")
-            self.compression.bind(self.group)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
         self._find_unused = bool(_pick("find_unused", find_unused or None,
                                        "find_unused_parameters", ddp.find_unused, False))
         self._nonfinite = nonfinite
         self.gatherer: Gatherer | None = None
         if zero:
-            self._shard(zero_unit)
+            self.reduction: Reduction = self._shard(zero_unit)
+        else:
+            self.reduction = make_reduction(algorithm, compress, self.group,
+                                            self.world.local_world_size)
         self.reducer = self._new_reducer()
-        if zero >= 2:  # gradient buffers exist only while a bucket is being reduced
-            for bucket in self.reducer.buckets:
-                self.sharding.release(bucket)
         self._join: Any = None  # the active Join, when inside `join()`
         self._buffers_due = True  # broadcast buffers before the next grad-enabled forward
-        self._owned = _Owned(self.reducer, self.algorithm, self.compression, self.gatherer)
+        self._owned = _Owned(self.reducer, self.reduction, self.gatherer)
         self._release = weakref.finalize(self, self._owned.release)
 
     def _take_over(self, module: nn.Module) -> None:
@@ -189,27 +182,25 @@ class DataParallel(nn.Module):
                                    "was dropped without close()); build the model again")
             _OWNERS[p] = weakref.ref(self)
 
-    def _shard(self, unit: Callable[[nn.Module], bool] | None) -> None:
+    def _shard(self, unit: Callable[[nn.Module], bool] | None) -> Reduction:
         """Lay the parameters out in flat groups (ZeRO) and, at stage 3, shard them."""
         self.zero_groups = zero_mod.build_groups(self.module, self.zero, self.group,
                                                  *self._bucket_bytes, unit)
-        self.sharding = zero_mod.Sharding(self.zero_groups, self.zero, self.group)
+        sharding = zero_mod.ShardedReduction(self.zero_groups, self.zero, self.group)
         if self.zero == 3:
             self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
-            self.sharding.on_reduced = self.gatherer.reduced
-            self.sharding.on_step_end = self.gatherer.end_of_step
+            sharding.on_reduced = self.gatherer.reduced
+            sharding.on_step_end = self.gatherer.end_of_step
             for g in self.zero_groups:
                 g.release()  # sharded at rest
+        return sharding
 
     def _new_reducer(self) -> Reducer:
         self._trainable_mask = _requires_grad_mask(self.module)
-        if self.zero:
-            return Reducer(zero_mod.reducer_params(self.zero_groups), *self._bucket_bytes,
-                           self._find_unused, self.group, self.algorithm,
-                           sharding=self.sharding, nonfinite=self._nonfinite)
-        return Reducer(trainable(self.module), *self._bucket_bytes, self._find_unused,
-                       self.group, self.algorithm, self.compression,
-                       nonfinite=self._nonfinite)
+        params = zero_mod.reducer_params(self.zero_groups) if self.zero else \
+            trainable(self.module)
+        return Reducer(params, self.reduction, *self._bucket_bytes, self._find_unused,
+                       self.group, self._nonfinite)
 
     def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:
         """An optimizer for this model's ZeRO stage: `optimizer` is a torch.optim class
@@ -362,16 +353,13 @@ class _Owned:
     """What a wrapper gives back when closed or collected. It holds no reference to the
     wrapper, so the wrapper can be collected while this waits in its finalizer."""
 
-    def __init__(self, reducer: Reducer, algorithm: Any, compression: Any,
+    def __init__(self, reducer: Reducer, reduction: Reduction,
                  gatherer: Gatherer | None) -> None:
-        self.reducer, self.algorithm = reducer, algorithm
-        self.compression, self.gatherer = compression, gatherer
+        self.reducer, self.reduction, self.gatherer = reducer, reduction, gatherer
 
     def release(self) -> None:
         self.reducer.detach()
-        self.algorithm.close()
-        if self.compression is not None:
-            self.compression.close()
+        self.reduction.close()
         if self.gatherer is not None:  # dropped without close(): the shards go with it
             self.gatherer.remove_hooks()
             guard_orphans(self.gatherer.owners, self.gatherer.groups)

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.algorithms import Done
 from lockstep.buckets import BucketSpec, ParamSlot, plan_buckets, reverse_registration_order
+from lockstep.reduction import Bucket, Done, Handle, Reduction
 
 
 def padded(numel: int, world_size: int) -> int:
@@ -159,9 +159,12 @@ def _nearest_unit(root: nn.Module, name: str, is_unit: Callable[[nn.Module], boo
 # ---- the reducer side: how each group's gradient is reduced ----------------------------------
 
 
-class Sharding:
-    """Plugged into the Reducer: a fixed plan of padded buckets (the flat groups), and
-    their reduction -- all-reduce (stage 1) or reduce-scatter into the shard (2, 3)."""
+class ShardedReduction(Reduction):
+    """ZeRO's way for a bucket to travel: the buckets are the flat groups (a fixed plan,
+    padded to split evenly), reduced by all-reduce (stage 1) or reduce-scatter into this
+    rank's shard (2, 3), whose full buffers exist only while being reduced (2, 3)."""
+
+    name = "zero"
 
     def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
         self.groups, self.stage, self.group = groups, stage, group
@@ -172,10 +175,14 @@ class Sharding:
         self.on_reduced: Callable[[int], None] | None = None  # stage 3: free the unit
         self.on_step_end: Callable[[], None] | None = None    # stage 3: free them all
 
-    def padded(self, numel: int) -> int:
-        return padded(numel, self.world_size)
+    def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
+             first_cap_bytes: int) -> list[BucketSpec]:
+        return list(self.specs)  # the layout of the sharded parameters: never rebuilt
 
-    def materialize(self, bucket: Any) -> None:
+    def buffer_numel(self, spec: BucketSpec) -> int:
+        return padded(spec.numel, self.world_size)
+
+    def materialize(self, bucket: Bucket) -> None:
         """Give a freed gradient bucket its memory back before a gradient lands in it. The
         padding past its parameters must be zero: it is summed into the shards, where the
         gradient norm (and the optimizer) would otherwise see whatever memory held."""
@@ -184,12 +191,11 @@ class Sharding:
             storage.resize_(bucket.flat.numel() * bucket.flat.element_size())
             bucket.flat[bucket.spec.numel:].zero_()
 
-    def release(self, bucket: Any) -> None:
-        """Stages 2-3: no rank keeps a full gradient bucket between its reductions
-        (`materialize` gives the memory back before the next gradient lands)."""
-        bucket.flat.untyped_storage().resize_(0)
+    def release(self, bucket: Bucket) -> None:
+        if self.stage >= 2:  # no rank keeps a full gradient bucket between reductions
+            bucket.flat.untyped_storage().resize_(0)
 
-    def start(self, bucket: Any) -> Any:
+    def start(self, bucket: Bucket) -> Handle:
         index = bucket.index  # the plan is these groups, in order
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
@@ -205,7 +211,7 @@ class Sharding:
             self.on_reduced(index)
         return Done()
 
-    def after_backward(self, buckets: Sequence[Any]) -> None:
+    def finish(self, buckets: Sequence[Bucket]) -> None:
         """What the optimizer steps is each shard's averaged gradient: at stage 1 a view of
         the averaged bucket; from stage 2 on, the accumulated reduce-scatters."""
         for group, bucket in zip(self.groups, buckets, strict=True):
@@ -215,9 +221,9 @@ class Sharding:
         if self.on_step_end is not None:
             self.on_step_end()
 
-    def drop_step(self) -> None:
+    def drop_step(self, buckets: Sequence[Bucket]) -> None:
         """A step dropped for a non-finite gradient: the optimizer skips shards without a
-        gradient (after_backward gives them back next time)."""
+        gradient (`finish` gives them back next time)."""
         for group in self.groups:
             group.shard_param.grad = None
 

@@ -34,8 +34,8 @@ def check_raw_sums() -> dict[str, float]:
             values = torch.randn(world.world_size, numel, generator=generator, dtype=torch.float64)
             flat = algorithm.allocate(numel, torch.float64, torch.device("cpu"))
             flat.copy_(values[world.rank])
-            algorithm.start(flat, f"test bucket of {numel}").wait()
-            algorithm.end_of_backward()
+            algorithm.all_reduce(flat, f"test bucket of {numel}").wait()
+            algorithm.finish([])
             worst = max(worst, (flat - values.sum(0)).abs().max().item())
         algorithm.close()
         errors[name] = worst
