@@ -15,13 +15,16 @@ The path one step takes:
     sampler = lockstep.ShardedSampler(dataset, shuffle=True, seed=0)
 """
 
+from lockstep.algorithms import AllReduce
 from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
 from lockstep.compress import PowerSGD, TopK
 from lockstep.join import JoinError
+from lockstep.nonfinite import NonFiniteGradientError
 from lockstep.optim import LAMB, LARS, LRSchedule
 from lockstep.precision import LossScaler
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
+from lockstep.reduction import Bucket, Reduction
 from lockstep.replica import DataParallel, ModelMismatchError
 from lockstep.sampler import ShardedSampler
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
@@ -34,6 +37,8 @@ __version__ = "0.1.0"
 __all__ = [
     "LAMB",
     "LARS",
+    "AllReduce",
+    "Bucket",
     "CheckpointError",
     "CollectiveError",
     "DataParallel",
@@ -41,7 +46,9 @@ __all__ = [
     "LRSchedule",
     "LossScaler",
     "ModelMismatchError",
+    "NonFiniteGradientError",
     "PowerSGD",
+    "Reduction",
     "ShardedSampler",
     "SyncBatchNorm",
     "TopK",

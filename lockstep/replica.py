@@ -106,8 +106,11 @@ class DataParallel(nn.Module):
             "tree", "shm" (shared memory, one host) or "hierarchical" (shm inside hosts,
             the network between them). See algorithms.py.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
-            (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio). See
-            compress.py; `comm_stats()` reports the bytes.
+            (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio), over the
+            algorithm. See compress.py; `comm_stats()` reports the bytes.
+        reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
+            AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
+            See reduction.py.
         zero: 0 (plain), 1 (shard optimizer state), 2 (and gradients) or 3 (and
             parameters), with `make_optimizer`. See zero.py. From stage 2 on, gradients
             live in the optimizer's shards, not in `.grad`.
@@ -126,7 +129,7 @@ class DataParallel(nn.Module):
                  find_unused: bool = False, broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
                  group: comm.Group = None, algorithm: str = "native",
-                 compress: Any = None, zero: int = 0,
+                 compress: Any = None, reduction: Reduction | None = None, zero: int = 0,
                  zero_unit: Callable[[nn.Module], bool] | None = None,
                  nonfinite: str = "error", **ddp_kwargs: Any) -> None:
         super().__init__()
@@ -155,8 +158,13 @@ class DataParallel(nn.Module):
                                        "find_unused_parameters", ddp.find_unused, False))
         self._nonfinite = nonfinite
         self.gatherer: Gatherer | None = None
-        if zero:
-            self.reduction: Reduction = self._shard(zero_unit)
+        if reduction is not None:
+            if algorithm != "native" or compress is not None or zero:
+                raise ValueError("reduction= is the whole answer to how buckets travel; it "
+                                 "takes no algorithm=, compress= or zero= beside it")
+            self.reduction: Reduction = reduction
+        elif zero:
+            self.reduction = self._shard(zero_unit)
         else:
             self.reduction = make_reduction(algorithm, compress, self.group,
                                             self.world.local_world_size)
