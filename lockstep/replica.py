@@ -30,10 +30,12 @@ from lockstep.compress import make_reduction
 from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter
 from lockstep.gather import Gatherer, guard_orphans, has_no_values
+from lockstep.join import Join, JoinError
 from lockstep.logs import get_logger
 from lockstep.nonfinite import check_mode
 from lockstep.reducer import Reducer, trainable
 from lockstep.reduction import Reduction
+from lockstep.syncbn import SyncBatchNorm
 from lockstep.world import current
 
 log = get_logger(__name__)
@@ -311,13 +313,11 @@ class DataParallel(nn.Module):
         replicas drift apart on the next step. Each grad-enabled forward inside must be
         followed by one backward.
         """
-        from lockstep.join import Join  # join builds on this class
-
         if not enable:
             yield
             return
-        self._join = Join(self, list(optimizers), sync_final_model,
-                          divide_by_initial_world_size)
+        hook = _ReplicaJoinHook(self, list(optimizers), sync_final_model)
+        self._join = Join(hook, self.group, divide_by_initial_world_size)
         try:
             yield
             self._join.finish()
@@ -355,6 +355,48 @@ class DataParallel(nn.Module):
             self.gatherer.give_back()
             self.gatherer = self._owned.gatherer = None
         self._release()
+
+
+class _ReplicaJoinHook:
+    """What `join` needs of a DataParallel (join.JoinHook)."""
+
+    def __init__(self, model: DataParallel, optimizers: list[torch.optim.Optimizer],
+                 sync_final_model: bool) -> None:
+        self.model, self.optimizers = model, optimizers
+        self.sync_final_model = sync_final_model
+        rank = comm.rank_of(model.group)
+        if model.zero:
+            raise JoinError(f"rank {rank}: join() does not shadow ZeRO's reduce-scatters "
+                            "and gathers; give every rank the same number of batches")
+        if any(isinstance(m, SyncBatchNorm) for m in model.module.modules()):
+            raise JoinError(f"rank {rank}: join() cannot stand in for SyncBatchNorm's own "
+                            "collectives in its forward and backward; give every rank the "
+                            "same number of batches instead (ShardedSampler with drop_last)")
+
+    def set_divisor(self, ranks: int) -> None:
+        self.model.reducer.divisor = ranks
+
+    def shadow_step(self, sync: bool, source: int) -> None:
+        self.model.reducer.prepare_forward(sync)
+        self.model.sync_buffers(sync)
+        if sync:
+            self.model.reducer.shadow_backward()
+
+    def sync_final(self, source: int) -> None:
+        if not self.sync_final_model:
+            return
+        model, group = self.model, self.model.group
+        tensors: list[torch.Tensor] = [*model.module.parameters()]
+        if model.broadcast_buffers:
+            tensors += [*model.module.buffers()]
+        comm.broadcast_tensors(tensors, source, "join: final broadcast of the model", group)
+        mine = comm.rank_of(group) == source
+        for optimizer in self.optimizers:
+            # A rank that stopped early may hold no state at all yet: send the whole dict.
+            state = comm.broadcast_object(optimizer.state_dict() if mine else None, source,
+                                          "join: final broadcast of optimizer state", group)
+            if not mine:
+                optimizer.load_state_dict(state)
 
 
 class _Owned:
