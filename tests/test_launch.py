@@ -19,6 +19,8 @@ SCRIPT = textwrap.dedent("""
     crash_at = int(os.environ.get("CRASH_AT", "-1"))
     for step in range(4):
         if step == crash_at and world.rank == world.world_size - 1:
+            if "EXIT_CODE" in os.environ:
+                sys.exit(int(os.environ["EXIT_CODE"]))
             raise ValueError(f"bad batch at step {step}")
         model.zero_grad()
         model(torch.full((3, 4), float(world.rank))).sum().backward()
@@ -70,6 +72,19 @@ def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path) -> None
     # The traceback once (in the summary), plus the failing worker's own one-line notice.
     assert result.stderr.count("ValueError: bad batch at step 2") == 2
     assert "the other workers:\n  rank 0: CollectiveError" in result.stderr
+
+
+def test_a_worker_that_exits_is_named_with_its_exit_code(script: Path) -> None:
+    # The exiting worker's sockets close while its peer waits in a collective; the peer's
+    # error used to be recorded first, and torchrun then stopped the exiting worker (-15)
+    # in its atexit teardown: "rank 0 raised an exception", code 1, about one run in five.
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
+                    env={"CRASH_AT": "2", "EXIT_CODE": "3"})
+    assert result.returncode == 3, result.stderr
+    assert "lockstep run: worker rank 1 (local rank 1, pid" in result.stderr
+    assert "exited with code 3 (sys.exit); the job was stopped." in result.stderr
+    assert "the other workers:\n  rank 0: CollectiveError" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_the_same_script_runs_under_plain_torchrun(script: Path) -> None:
