@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,42 @@ def test_a_missing_or_broken_script_is_reported_before_any_worker_starts(tmp_pat
         assert result.returncode == 2
         assert expected in result.stderr and "Traceback" not in result.stderr
         assert time.monotonic() - started < 10
+
+
+BY_HAND = textwrap.dedent("""
+    import sys, time, lockstep
+    started = time.monotonic()
+    try:
+        lockstep.init()
+    except RuntimeError as error:
+        print(f"after {time.monotonic() - started:.1f}s: {error}", flush=True)
+        sys.exit(1)
+""")
+
+
+def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -> None:
+    # Another program holds the port: rank 0 cannot bind it, and rank 1's connection is
+    # accepted by that program, which never answers (rank 1 used to wait forever).
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(16)
+        port = squatter.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "3"}
+        ranks = [subprocess.Popen([sys.executable, "-c", BY_HAND], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**env, "RANK": str(rank)}) for rank in (0, 1)]
+        try:
+            outputs = [rank.communicate(timeout=30)[0] for rank in ranks]
+        finally:  # a rank that hangs (the bug) must not outlive the test
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+    assert [rank.returncode for rank in ranks] == [1, 1], outputs
+    for rank, output in enumerate(outputs):
+        seconds = float(re.search(r"after ([\d.]+)s", output).group(1))
+        assert f"rank {rank} could not reach the rendezvous at 127.0.0.1:{port}" in output
+        assert seconds <= 3.5, output  # within LOCKSTEP_TIMEOUT
+    assert "the port is in use by another program (EADDRINUSE)" in outputs[0]
+    assert "never answered as a torch.distributed store (waited 3s)" in outputs[1]
+    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 2.9
