@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lockstep import checkpoint_files, comm, reshard
 from lockstep.checkpoint_check import MANIFEST, STATE, manifest_of, read_json, verify
 from lockstep.logs import get_logger
+from lockstep.tensorfile import FormatError
 
 log = get_logger(__name__)
 
@@ -300,14 +301,7 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     bundle = _tensors(model, optimizer)
     if extra:
         bundle["extra"] = extra  # loaded in place
-    failure, state, rng = None, {}, None
-    try:  # every header is checked again here: each rank reads its own pieces
-        checkpoint_files.fill(bundle, checkpoint_files.catalog(folder))
-        state = read_json(folder / STATE)
-        if (folder / f"rng-rank{rank}.json").is_file():
-            rng = read_json(folder / f"rng-rank{rank}.json")
-    except (OSError, ValueError) as error:  # FormatError is a ValueError
-        failure = f"{type(error).__name__}: {error}"
+    failure, state = _read_into(folder, bundle)
     failed = [f"rank {r}: {f}" for r, f in enumerate(
         comm.all_gather_object(failure, "checkpoint: loading")) if f is not None]
     if failed:
@@ -318,6 +312,22 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                        optim_state_dict=bundle["optim"])
     else:
         reshard.after_load(model, optimizer, bundle)
-    if rng is not None:
-        set_rng_state(rng)
     return state
+
+
+def _read_into(folder: Path, bundle: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """This rank's part of a load: its tensors into `bundle`, its RNG state restored.
+    Returns (what went wrong or None, the JSON state). Every header is checked again here,
+    since each rank reads the files itself."""
+    rng_file = folder / f"rng-rank{dist.get_rank()}.json"
+    try:
+        checkpoint_files.fill(bundle, checkpoint_files.catalog(folder))
+        state = read_json(folder / STATE)
+        if rng_file.is_file():
+            try:
+                set_rng_state(read_json(rng_file))
+            except (KeyError, TypeError, ValueError, RuntimeError) as error:
+                raise FormatError(f"{rng_file}: not an RNG state ({error!r})") from None
+    except (OSError, ValueError) as error:  # FormatError is a ValueError
+        return f"{type(error).__name__}: {error}", {}
+    return None, state
