@@ -1,17 +1,26 @@
 """Where every `lockstep run` worker starts: run the user's script or module as __main__.
 
-A worker that raises records its exception for the launcher (torchrun's error file) and
-prints a single line; the launcher's summary then shows the traceback once, for the worker
-that failed first, instead of every worker's copy interleaved.
+A worker that fails records it for the launcher (torchrun's error file) at the moment it
+fails: an exception with its traceback, or a `sys.exit(code)` with its code. The record
+carries a precise time, written before the worker's exit closes its connections -- the event
+its peers then fail on -- so the launcher can tell which worker failed first even when
+torchrun stops the failed worker on its way out. A worker that raises also prints a single
+line; the launcher's summary shows the traceback once, for the worker that failed first,
+instead of every worker's copy interleaved.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import runpy
 import sys
+import time
+import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+RECORD = "lockstep"  # the key, inside torchrun's extraInfo, of what the launcher reads
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:
@@ -23,18 +32,44 @@ def _run(kind: str, target: str, args: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+def exit_code(exit: SystemExit) -> int:
+    """The status Python exits with for this SystemExit: sys.exit("why") exits with 1."""
+    if exit.code is None:
+        return 0
+    return exit.code if isinstance(exit.code, int) else 1
+
+
+def record(kind: str, message: str, code: int, callstack: str | None = None) -> None:
+    """Write torchrun's error file (its own format, so torchrun reads it as usual) with
+    lockstep's precise record added: kind ("exit" or "exception"), exit code, time."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    extra: dict[str, object] = {"timestamp": str(int(now)),
+                                RECORD: {"kind": kind, "code": code, "time": now}}
+    if callstack is not None:
+        extra["py_callstack"] = callstack
+    with open(path, "w") as f:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+
+
 def main() -> None:
     kind, target, *args = sys.argv[1:]
-    handler = get_error_handler()
-    handler.initialize()
+    get_error_handler().initialize()
     try:
         _run(kind, target, args)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as exit:
+        code = exit_code(exit)
+        if code != 0:
+            record("exit", f"exited with code {code} (sys.exit)", code)
+        raise
+    except KeyboardInterrupt:
         raise
     except BaseException as error:
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not under a launcher: the usual
             raise
-        handler.record_exception(error)
+        record("exception", f"{type(error).__name__}: {error}", 1, traceback.format_exc())
         first_line = (str(error).strip().splitlines() or [""])[0]
         print(f"[rank {os.environ.get('RANK', '?')}] {type(error).__name__}: {first_line}",
               file=sys.stderr, flush=True)

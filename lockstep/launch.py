@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lockstep.entry import RECORD
+
 
 @dataclass
 class LaunchSpec:
@@ -97,10 +99,22 @@ def run(spec: LaunchSpec) -> int:
     return 0
 
 
+def _record(failure: Any) -> dict[str, Any]:
+    """What lockstep.entry recorded for this worker ({} if nothing): kind ("exit" or
+    "exception"), exit code, and the precise time of the failure."""
+    message = failure.message
+    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    found = extra.get(RECORD) if isinstance(extra, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
 def _is_knock_on(failure: Any) -> bool:
     """A failure caused by another one: a collective that lost its partner, or (for a
-    worker that recorded no exception) the SIGTERM torchrun sends the survivors. A worker
-    that raised is judged by what it raised, even if the SIGTERM caught it on the way out."""
+    worker that recorded nothing) the SIGTERM torchrun sends the survivors. A worker that
+    raised or exited is judged by what it recorded, even if the SIGTERM caught it on the
+    way out (its exit code is then -15, not what it exited with)."""
+    if _record(failure).get("kind") == "exit":
+        return False
     message = failure.message
     if isinstance(message, dict):
         text = str(message)
@@ -109,18 +123,24 @@ def _is_knock_on(failure: Any) -> bool:
     return bool(failure.exitcode == -signal.SIGTERM)
 
 
+def _when(failure: Any) -> float:
+    """When it failed: lockstep's precise record, else torchrun's whole-second timestamp
+    (for a worker without an error file, the moment torchrun looked: later than any
+    record, which is why knock-on errors are set aside first)."""
+    return float(_record(failure).get("time", failure.timestamp))
+
+
 def root_cause(failed: Any) -> tuple[int, Any]:
-    """The failure that started it all. torchrun orders failures by timestamps with
-    one-second resolution, so a crash and its peers' knock-on errors often tie; prefer the
-    earliest failure that is not a knock-on error."""
-    by_time = sorted(failed.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    """The failure that started it all: the earliest that is not a knock-on error (if
+    every failure is one, the earliest)."""
+    by_time = sorted(failed.failures.items(), key=lambda item: (_when(item[1]), item[0]))
     primary = [item for item in by_time if not _is_knock_on(item[1])]
     return (primary or by_time)[0]
 
 
 def _traceback(failure: Any) -> str | None:
     message = failure.message
-    if not isinstance(message, dict):
+    if not isinstance(message, dict) or _record(failure).get("kind") == "exit":
         return None
     return _user_frames(str(message.get("extraInfo", {}).get("py_callstack")
                             or message.get("message")))
@@ -170,7 +190,12 @@ def failure_summary(failed: Any) -> str:
 
 
 def exit_status(failed: Any) -> int:
+    """The exit code of the worker that failed first: what it passed to sys.exit, 1 if it
+    raised, its own code otherwise (1 for a signal)."""
     _, failure = root_cause(failed)
+    recorded = _record(failure).get("code")
+    if isinstance(recorded, int) and recorded > 0:
+        return recorded
     if _traceback(failure) is not None or failure.exitcode <= 0:
         return 1
     return int(failure.exitcode)

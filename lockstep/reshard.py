@@ -1,14 +1,14 @@
-"""Model and optimizer state in one layout for every ZeRO stage and world size, for DCP.
+"""Model and optimizer state in one layout for every ZeRO stage and world size, for checkpoints.
 
 Every parameter is keyed by name as a flat 1-D tensor, `model.<name>`, and every
 element-wise optimizer state as `optim.<name>.<state>` (exp_avg, momentum_buffer...);
 scalar states shared by all parameters (Adam's step) are saved once, `optim.<state>`.
-At stage 0 each rank offers whole tensors (DCP keeps one copy); under ZeRO each rank offers
+At stage 0 each rank offers whole tensors (rank 0 writes them); under ZeRO each rank offers
 only the pieces of each flattened parameter that lie in its shards, as a ShardedTensor
 whose chunk offsets follow from the flat layout. Loading builds the same keys for the
 *target* layout -- whole tensors or this rank's pieces, as views into the live parameters
-and optimizer state -- and DCP reads whatever overlaps, so a checkpoint written at stage 3
-on 3 ranks loads at stage 1 on 2.
+and optimizer state -- and lockstep.checkpoint_files reads whatever overlaps, so a
+checkpoint written at stage 3 on 3 ranks loads at stage 1 on 2.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from lockstep.zero import FlatGroup, ZeroOptimizer
 
 def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     """Views of this rank's model and optimizer state in the common layout. Loading into
-    it (dcp.load) writes straight into the model and optimizer."""
+    it (checkpoint_files.fill) writes straight into the model and optimizer."""
     if getattr(model, "zero", 0):
         _ensure_state(optimizer.inner)
         return _sharded(model.zero_groups, optimizer)

@@ -576,6 +576,8 @@ class Trainer:
 
     def _checkpoint_to_resume(self) -> Path | None:
         root = self.run_dir / "checkpoints"
+        if self.world.is_main:  # partial checkpoints of a run that crashed mid-write
+            checkpoint.remove_stale(root)
         if self.config.resume == "auto":
             return checkpoint.latest_valid(root)
         if self.config.resume != "never":

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -164,9 +169,83 @@ def _init_from_env(backend: str, timeout: timedelta) -> World:
     local_rank = _env_int("LOCAL_RANK", 0)
     local_world_size = _env_int("LOCAL_WORLD_SIZE", 1)
     device = _pick_device(backend, local_rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device if backend == "nccl" else None)
+    # What init_process_group does with env://, but with a deadline on the rendezvous.
+    store = dist.PrefixStore("default_pg", _rendezvous(rank, world_size, timeout))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if backend == "nccl" else None)
     return World(rank, world_size, local_rank, local_world_size, device, backend, timeout)
+
+
+def _rendezvous(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torch's env:// store -- rank 0 hosts it at MASTER_ADDR:MASTER_PORT (under torchrun,
+    the launcher does) -- reached within `timeout`, or an error naming the rank and address.
+
+    TCPStore alone can wait forever: a client whose connection is accepted by some other
+    program on that port (rank 0 having failed to bind it) waits for a reply that never
+    comes. So a client first waits for anything to listen there (plain sockets, a clean
+    deadline), then lets TCPStore connect in a thread it abandons at the deadline -- only
+    ever blocked on a reply, which ends with the process."""
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    deadline = time.monotonic() + timeout.total_seconds()
+    try:
+        if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            return _env_store(rank, world_size, timeout)  # binds, or fails at once
+        _wait_for_listener(deadline)
+        return _within(deadline, lambda: _env_store(rank, world_size, timeout))
+    except Exception as error:
+        raise RuntimeError(f"lockstep.init: rank {rank} could not reach the rendezvous at "
+                           f"{where}: {_rendezvous_problem(error, rank, timeout)}") from error
+
+
+def _env_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    store: dist.Store = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))[0]
+    store.set_timeout(timeout)
+    return store
+
+
+def _wait_for_listener(deadline: float) -> None:
+    address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection(address, timeout=max(0.05, min(1.0, left))):
+                return
+        except OSError as error:
+            if time.monotonic() + 0.1 >= deadline:
+                raise TimeoutError(f"nothing accepted a connection there ({error})") from None
+        time.sleep(0.1)
+
+
+def _within(deadline: float, connect: Callable[[], dist.Store]) -> dist.Store:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(connect())
+        except Exception as error:  # re-raised in the caller's thread
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name="lockstep-rendezvous", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not outcome:
+        raise TimeoutError("a program accepted the connection there but never answered as a "
+                           "torch.distributed store")
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
+
+
+def _rendezvous_problem(error: Exception, rank: int, timeout: timedelta) -> str:
+    if "EADDRINUSE" in str(error):
+        return ("this rank hosts it, and the port is in use by another program "
+                "(EADDRINUSE); set MASTER_PORT to a free port, the same on every rank")
+    what = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    what = f"{what} (waited {timeout.total_seconds():.0f}s)"
+    if rank == 0:
+        return f"{what}; check that every rank was started with the same MASTER_ADDR/PORT"
+    return (f"{what}. Rank 0 hosts it: check that rank 0 is running, that MASTER_ADDR and "
+            "MASTER_PORT are the same on every rank, and that no other program holds the port")
 
 
 def current() -> World:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +20,8 @@ SCRIPT = textwrap.dedent("""
     crash_at = int(os.environ.get("CRASH_AT", "-1"))
     for step in range(4):
         if step == crash_at and world.rank == world.world_size - 1:
+            if "EXIT_CODE" in os.environ:
+                sys.exit(int(os.environ["EXIT_CODE"]))
             raise ValueError(f"bad batch at step {step}")
         model.zero_grad()
         model(torch.full((3, 4), float(world.rank))).sum().backward()
@@ -72,6 +75,19 @@ def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path) -> None
     assert "the other workers:\n  rank 0: CollectiveError" in result.stderr
 
 
+def test_a_worker_that_exits_is_named_with_its_exit_code(script: Path) -> None:
+    # The exiting worker's sockets close while its peer waits in a collective; the peer's
+    # error used to be recorded first, and torchrun then stopped the exiting worker (-15)
+    # in its atexit teardown: "rank 0 raised an exception", code 1, about one run in five.
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
+                    env={"CRASH_AT": "2", "EXIT_CODE": "3"})
+    assert result.returncode == 3, result.stderr
+    assert "lockstep run: worker rank 1 (local rank 1, pid" in result.stderr
+    assert "exited with code 3 (sys.exit); the job was stopped." in result.stderr
+    assert "the other workers:\n  rank 0: CollectiveError" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_the_same_script_runs_under_plain_torchrun(script: Path) -> None:
     result = launch(str(BIN / "torchrun"), "--nproc-per-node=3", "--standalone", str(script))
     assert result.returncode == 0, result.stderr
@@ -95,3 +111,42 @@ def test_a_missing_or_broken_script_is_reported_before_any_worker_starts(tmp_pat
         assert result.returncode == 2
         assert expected in result.stderr and "Traceback" not in result.stderr
         assert time.monotonic() - started < 10
+
+
+BY_HAND = textwrap.dedent("""
+    import sys, time, lockstep
+    started = time.monotonic()
+    try:
+        lockstep.init()
+    except RuntimeError as error:
+        print(f"after {time.monotonic() - started:.1f}s: {error}", flush=True)
+        sys.exit(1)
+""")
+
+
+def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -> None:
+    # Another program holds the port: rank 0 cannot bind it, and rank 1's connection is
+    # accepted by that program, which never answers (rank 1 used to wait forever).
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(16)
+        port = squatter.getsockname()[1]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "3"}
+        ranks = [subprocess.Popen([sys.executable, "-c", BY_HAND], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env={**env, "RANK": str(rank)}) for rank in (0, 1)]
+        try:
+            outputs = [rank.communicate(timeout=30)[0] for rank in ranks]
+        finally:  # a rank that hangs (the bug) must not outlive the test
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.kill()
+    assert [rank.returncode for rank in ranks] == [1, 1], outputs
+    for rank, output in enumerate(outputs):
+        seconds = float(re.search(r"after ([\d.]+)s", output).group(1))
+        assert f"rank {rank} could not reach the rendezvous at 127.0.0.1:{port}" in output
+        assert seconds <= 3.5, output  # within LOCKSTEP_TIMEOUT
+    assert "the port is in use by another program (EADDRINUSE)" in outputs[0]
+    assert "never answered as a torch.distributed store (waited 3s)" in outputs[1]
+    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 2.9

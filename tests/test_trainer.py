@@ -136,7 +136,7 @@ def check_verification(root: str) -> str:
     found = []
     if world.rank == 0:
         newest = Path(root) / "step-00000003"
-        shard = next(newest.glob("*.distcp"))
+        shard = next(newest.glob("tensors-rank*.safetensors"))
         shard.write_bytes(shard.read_bytes()[:-100])          # truncated
         state = Path(root) / "step-00000002" / "state.json"
         state.write_text(state.read_text().replace("2", "9"))  # corrupted
@@ -203,7 +203,7 @@ def check_checkpoint_safety(root: str) -> list[str]:
     seen = [written.name, *(p.name for p in checkpoint.list_checkpoints(Path(root))),
             *sorted(p.name for p in Path(root).glob("superseded-*"))]
     if world.rank == 0:  # flip one byte, keeping the size
-        shard = next(written.glob("*.distcp"))
+        shard = next(written.glob("tensors-rank*.safetensors"))
         raw = bytearray(shard.read_bytes())
         raw[len(raw) // 2] ^= 0xFF
         shard.write_bytes(bytes(raw))
