@@ -122,7 +122,7 @@ def fingerprint(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, tensor in model.state_dict().items():
         h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:12]
 
 

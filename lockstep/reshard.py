@@ -1,6 +1,7 @@
 """Model and optimizer state in one layout for every ZeRO stage and world size, for checkpoints.
 
-Every parameter is keyed by name as a flat 1-D tensor, `model.<name>`, and every
+Every parameter is keyed by name as a flat 1-D tensor, `model.<name>` (frozen ones too),
+every buffer (BatchNorm's statistics) as `buffer.<name>`, and every
 element-wise optimizer state as `optim.<name>.<state>` (exp_avg, momentum_buffer...);
 scalar states shared by all parameters (Adam's step) are saved once, `optim.<state>`.
 At stage 0 each rank offers whole tensors (rank 0 writes them); under ZeRO each rank offers
@@ -32,9 +33,9 @@ def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     it (checkpoint_files.fill) writes straight into the model and optimizer."""
     if getattr(model, "zero", 0):
         _ensure_state(optimizer.inner)
-        return _sharded(model.zero_groups, optimizer)
+        return {**_sharded(model.zero_groups, optimizer), **_replicated(model.module)}
     _ensure_state(optimizer)
-    return _whole(model.module, optimizer)
+    return {**_whole(model.module, optimizer), **_replicated(model.module)}
 
 
 def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
@@ -70,6 +71,15 @@ def _ensure_state(optimizer: torch.optim.Optimizer) -> None:
         p.grad = grad
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
+
+
+def _replicated(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What every rank holds whole and no optimizer touches: frozen parameters and
+    buffers. A resume without them would not be exact (BatchNorm's running statistics)."""
+    out = {f"model.{name}": param.detach().view(-1)
+           for name, param in module.named_parameters() if not param.requires_grad}
+    out.update({f"buffer.{name}": buffer.view(-1) for name, buffer in module.named_buffers()})
+    return out
 
 
 def _whole(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -248,3 +248,24 @@ def test_resume_refuses_a_different_run(world2: World, tmp_path: Path) -> None:
     assert "rank 1:" in never and "holds checkpoints of an earlier run" in never
     assert "seed=0" in other_seed and "has 1" in other_seed
     assert "dataset_len=1440" in other_data and "has 1400" in other_data
+
+
+def check_bn_resume(run_dir: str, **overrides: object) -> list[torch.Tensor]:
+    """A model with BatchNorm statistics and a frozen parameter."""
+    train_set, test_set = digit_sets()
+    net = make_model("bn")
+    net[1].bias.requires_grad_(False)
+    trainer = lockstep.Trainer(net, sgd, train_set, test_set,
+                               config=config(run_dir, **overrides))
+    trainer.fit()
+    return [t.clone() for t in trainer.model.module.state_dict().values()]
+
+
+def test_resume_restores_buffers_and_frozen_parameters_exactly(world2: World,
+                                                               tmp_path: Path) -> None:
+    whole = world2.run(check_bn_resume, str(tmp_path / "whole"), max_steps=10)
+    run = str(tmp_path / "split")
+    world2.run(check_bn_resume, run, max_steps=6, checkpoint_every_steps=3)
+    split = world2.run(check_bn_resume, run, max_steps=10, resume="auto")
+    for ours, theirs in zip(split, whole):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))  # bitwise, buffers too
