@@ -2,7 +2,7 @@
 
 Two ranks (Gloo, CPU) train the same 8-layer 1024-wide MLP (8.4M parameters) with AdamW:
 
-    lockstep zero=0, 1, 2, 3        DataParallel(model, zero=k).make_optimizer(AdamW)
+    lockstep zero=1, 2, 3           lockstep.shard(model, k).make_optimizer(AdamW); 0: DataParallel
     torch ZeRO-1                    DDP + ZeroRedundancyOptimizer(AdamW)
     torch FSDP2                     fully_shard on every layer and the root
 
@@ -75,7 +75,7 @@ def peak_extra_bytes(step: Callable[[], None]) -> int:
 def modes() -> dict[str, Callable[[], tuple[nn.Module, object]]]:
     def lockstep_zero(stage: int) -> Callable[[], tuple[nn.Module, object]]:
         def make() -> tuple[nn.Module, object]:
-            model = lockstep.DataParallel(build(), zero=stage)
+            model = lockstep.shard(build(), stage) if stage else lockstep.DataParallel(build())
             return model, model.make_optimizer(torch.optim.AdamW, lr=1e-4)
         return make
 

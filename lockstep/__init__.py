@@ -25,12 +25,12 @@ from lockstep.optim import LAMB, LARS, LRSchedule
 from lockstep.precision import LossScaler
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.reduction import Bucket, Reduction
-from lockstep.replica import DataParallel, ModelMismatchError
+from lockstep.replica import DataParallel, ModelMismatchError, memory_report
 from lockstep.sampler import ShardedSampler
+from lockstep.sharded import ShardedDataParallel, shard
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from lockstep.trainer import TrainConfig, Trainer
 from lockstep.world import World, init
-from lockstep.zero import memory_report
 
 __version__ = "0.1.0"
 
@@ -49,6 +49,7 @@ __all__ = [
     "NonFiniteGradientError",
     "PowerSGD",
     "Reduction",
+    "ShardedDataParallel",
     "ShardedSampler",
     "SyncBatchNorm",
     "TopK",
@@ -61,4 +62,5 @@ __all__ = [
     "init",
     "memory_report",
     "naive_average_gradients",
+    "shard",
 ]

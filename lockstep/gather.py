@@ -130,10 +130,11 @@ class Gatherer:
         if all(g.gathered for g in self.groups):
             return
         raise RuntimeError(
-            f"rank {comm.rank_of(self.group)}: state_dict() of a zero=3 model: its parameters "
-            "are sharded across ranks and not held whole here. Call model.full_state_dict() "
-            "on every rank (it gathers them), or model.close() to give the module its full "
-            "parameters back; lockstep's checkpoints save the shards directly.")
+            f"rank {comm.rank_of(self.group)}: state_dict() of a ZeRO stage-3 model: its "
+            "parameters are sharded across ranks and not held whole here. Call "
+            "model.full_state_dict() on every rank (it gathers them), or model.close() to "
+            "give the module its full parameters back; lockstep's checkpoints save the shards "
+            "directly.")
 
     @contextmanager
     def all_gathered(self) -> Iterator[None]:
@@ -155,6 +156,11 @@ class Gatherer:
                     p.data = p.detach().clone()
         self.remove_hooks()
 
+    @property
+    def managing(self) -> bool:
+        """Whether its hooks still manage the module (not given back or removed)."""
+        return bool(self._handles)
+
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -166,8 +172,8 @@ def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup]) -> None:
     parameters have no values. Make every use of them an error instead of a crash."""
     names = [n for g in groups for n in g.names]
     message = (f"rank {comm.rank_of()}: the parameters of this module ({', '.join(names[:4])}"
-               f"{', ...' if len(names) > 4 else ''}) were sharded by a zero=3 DataParallel "
-               "that was dropped without close(); their values are gone. Call "
+               f"{', ...' if len(names) > 4 else ''}) were sharded by a ZeRO stage-3 wrapper "
+               "(lockstep.shard) that was dropped without close(); their values are gone. Call "
                "model.close() (which gives the module its full parameters back) or save "
                "model.full_state_dict() before dropping the wrapper.")
 
@@ -177,9 +183,3 @@ def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup]) -> None:
     for module in owners:
         module.register_forward_pre_hook(refuse)
         module.register_state_dict_pre_hook(refuse)
-
-
-def has_no_values(param: torch.Tensor) -> bool:
-    """A parameter whose memory a zero=3 wrapper released (and, if it was dropped without
-    close(), never gave back): reading it would crash the process."""
-    return param.numel() > 0 and param.untyped_storage().nbytes() == 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -24,13 +24,11 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lockstep import comm
-from lockstep import zero as zero_mod
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.compress import make_reduction
 from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter
-from lockstep.gather import Gatherer, guard_orphans, has_no_values
-from lockstep.join import Join, JoinError
+from lockstep.join import Join, JoinError, JoinHook
 from lockstep.logs import get_logger
 from lockstep.nonfinite import check_mode
 from lockstep.reducer import Reducer, trainable
@@ -113,26 +111,21 @@ class DataParallel(nn.Module):
         reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
             AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
             See reduction.py.
-        zero: 0 (plain), 1 (shard optimizer state), 2 (and gradients) or 3 (and
-            parameters), with `make_optimizer`. See zero.py. From stage 2 on, gradients
-            live in the optimizer's shards, not in `.grad`.
-        zero_unit: for stage 3, which modules are gathered as one unit (default: every
-            module that owns parameters, i.e. each layer).
         nonfinite: what a NaN or inf in some rank's local gradient does: "error" (stop,
             naming the step, the ranks and the first parameter), "skip" (drop the step on
             every rank, counted in `comm_stats()`), or "off". See nonfinite.py.
 
     The wrapper owns its hooks, buckets, threads and shared memory, and gives them back on
     `close()` or when it is no longer referenced. Wrapping a module again takes it over
-    from a wrapper that is still alive (which is closed, with a warning).
+    from a wrapper that is still alive (which is closed, with a warning). Sharding (ZeRO)
+    is applied from outside by `lockstep.shard`, a subclass; this class only replicates.
     """
 
     def __init__(self, module: nn.Module, bucket_mb: float | None = None, *,
                  find_unused: bool = False, broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
                  group: comm.Group = None, algorithm: str = "native",
-                 compress: Any = None, reduction: Reduction | None = None, zero: int = 0,
-                 zero_unit: Callable[[nn.Module], bool] | None = None,
+                 compress: Any = None, reduction: Reduction | None = None,
                  nonfinite: str = "error", **ddp_kwargs: Any) -> None:
         super().__init__()
         ddp = read_ddp_arguments(module, ddp_kwargs)
@@ -154,26 +147,16 @@ class DataParallel(nn.Module):
             verify_replicas_match(module, self.group)
             comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                    "broadcast of rank 0's parameters and buffers", self.group)
-        self.zero = _check_zero(zero, compress, algorithm)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
         self._find_unused = bool(_pick("find_unused", find_unused or None,
                                        "find_unused_parameters", ddp.find_unused, False))
         self._nonfinite = nonfinite
-        self.gatherer: Gatherer | None = None
-        if reduction is not None:
-            if algorithm != "native" or compress is not None or zero:
-                raise ValueError("reduction= is the whole answer to how buckets travel; it "
-                                 "takes no algorithm=, compress= or zero= beside it")
-            self.reduction: Reduction = reduction
-        elif zero:
-            self.reduction = self._shard(zero_unit)
-        else:
-            self.reduction = make_reduction(algorithm, compress, self.group,
-                                            self.world.local_world_size)
+        self._owned = _Owned()
+        self.reduction = self._make_reduction(algorithm, compress, reduction)
+        self._owned.add(self.reduction.close)
         self.reducer = self._new_reducer()
         self._join: Any = None  # the active Join, when inside `join()`
         self._buffers_due = True  # broadcast buffers before the next grad-enabled forward
-        self._owned = _Owned(self.reducer, self.reduction, self.gatherer)
         self._release = weakref.finalize(self, self._owned.release)
 
     def _take_over(self, module: nn.Module) -> None:
@@ -186,52 +169,48 @@ class DataParallel(nn.Module):
                         comm.rank_of(self.group))
             previous.close()
         for p in module.parameters():
-            if has_no_values(p):
+            if p.numel() > 0 and p.untyped_storage().nbytes() == 0:
                 raise RuntimeError(f"rank {comm.rank_of(self.group)}: a parameter of this "
-                                   "module has no values (a zero=3 wrapper released it and "
+                                   "module has no values (a ZeRO stage-3 wrapper released it and "
                                    "was dropped without close()); build the model again")
             _OWNERS[p] = weakref.ref(self)
 
-    def _shard(self, unit: Callable[[nn.Module], bool] | None) -> Reduction:
-        """Lay the parameters out in flat groups (ZeRO) and, at stage 3, shard them."""
-        self.zero_groups = zero_mod.build_groups(self.module, self.zero, self.group,
-                                                 *self._bucket_bytes, unit)
-        sharding = zero_mod.ShardedReduction(self.zero_groups, self.zero, self.group)
-        if self.zero == 3:
-            self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
-            sharding.on_reduced = self.gatherer.reduced
-            sharding.on_step_end = self.gatherer.end_of_step
-            for g in self.zero_groups:
-                g.release()  # sharded at rest
-        return sharding
+    def _make_reduction(self, algorithm: str, compress: Any,
+                        reduction: Reduction | None) -> Reduction:
+        """How this wrapper's buckets travel (a sharded wrapper lays its own out)."""
+        if reduction is None:
+            return make_reduction(algorithm, compress, self.group,
+                                  self.world.local_world_size)
+        if algorithm != "native" or compress is not None:
+            raise ValueError("reduction= is the whole answer to how buckets travel; it "
+                             "takes no algorithm= or compress= beside it")
+        return reduction
+
+    def _reduced_params(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the reducer averages, in the order the reduction's plan uses."""
+        return trainable(self.module)
 
     def _new_reducer(self) -> Reducer:
         self._trainable_mask = _requires_grad_mask(self.module)
-        params = zero_mod.reducer_params(self.zero_groups) if self.zero else \
-            trainable(self.module)
-        return Reducer(params, self.reduction, *self._bucket_bytes, self._find_unused,
-                       self.group, self._nonfinite)
+        reducer = Reducer(self._reduced_params(), self.reduction, *self._bucket_bytes,
+                          self._find_unused, self.group, self._nonfinite)
+        self._owned.reducer = reducer
+        return reducer
 
     def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:
-        """An optimizer for this model's ZeRO stage: `optimizer` is a torch.optim class
-        (with its keyword arguments) or a function of the parameters. Plain at stage 0; its
-        sharded form otherwise, with the same step/zero_grad/param_groups/state_dict."""
-        def make(params: Any) -> torch.optim.Optimizer:
-            return optimizer(params, **kwargs)
+        """`optimizer` (a torch.optim class, with its keyword arguments, or a function of
+        the parameters) over this model's parameters; a sharded model's own form of it."""
+        return optimizer(self.parameters(), **kwargs)
 
-        if not self.zero:
-            return make(self.parameters())
-        return zero_mod.ZeroOptimizer(self.zero_groups, self.zero, self.group, make)
+    def _requires_grad_changed(self) -> bool:
+        return _requires_grad_mask(self.module) != self._trainable_mask
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
         after warmup, say) need new hooks and buckets. Every rank must make the same change
         at the same step; the rebuild checks that they did."""
-        if _requires_grad_mask(self.module) == self._trainable_mask:
+        if not self._requires_grad_changed():
             return
-        if self.zero:
-            raise ValueError(f"rank {comm.rank_of(self.group)}: requires_grad changed after "
-                             "wrapping with zero>0; the sharded layout is fixed: wrap again")
         masks = comm.all_gather_object(_requires_grad_mask(self.module), "agreeing on which "
                                        "parameters are trainable after requires_grad changed",
                                        self.group)
@@ -242,7 +221,7 @@ class DataParallel(nn.Module):
                 f"rank {comm.rank_of(self.group)}: requires_grad of '{names[first]}' changed "
                 "on some ranks but not others; freeze and unfreeze on every rank alike")
         self.reducer.detach()
-        self.reducer = self._owned.reducer = self._new_reducer()
+        self.reducer = self._new_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
@@ -316,7 +295,7 @@ class DataParallel(nn.Module):
         if not enable:
             yield
             return
-        hook = _ReplicaJoinHook(self, list(optimizers), sync_final_model)
+        hook = self._join_hook(list(optimizers), sync_final_model)
         self._join = Join(hook, self.group, divide_by_initial_world_size)
         try:
             yield
@@ -324,14 +303,21 @@ class DataParallel(nn.Module):
         finally:
             self._join = None
 
+    def _join_hook(self, optimizers: list[torch.optim.Optimizer],
+                   sync_final_model: bool) -> JoinHook:
+        return _ReplicaJoinHook(self, optimizers, sync_final_model)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with every tensor whole, as copies -- what
-        `model.module.state_dict()` gives without ZeRO. Under zero=3 it gathers the
-        parameters: a collective, so every rank must call it."""
-        if self.gatherer is None:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        with self.gatherer.all_gathered():
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        `model.module.state_dict()` gives. (A sharded model gathers them: a collective.)"""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def memory_report(self, optimizer: Any) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now."""
+        params = list(self.module.parameters())
+        return {"parameters": tensor_bytes(params),
+                "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+                "optimizer_state": state_bytes(optimizer)}
 
     def bucket_sizes_mb(self) -> list[float]:
         return self.reducer.bucket_sizes_mb()
@@ -347,14 +333,10 @@ class DataParallel(nn.Module):
 
     def close(self) -> None:
         """Stop reducing gradients and release the hooks, threads and shared memory. The
-        module keeps working on its own afterwards; under zero=3 it first gets its full
-        parameters back (a collective: every rank must call close()). Idempotent."""
-        if not self._release.alive:
-            return
-        if self.gatherer is not None:
-            self.gatherer.give_back()
-            self.gatherer = self._owned.gatherer = None
-        self._release()
+        module keeps working on its own afterwards (a stage-3 sharded model first gets its
+        full parameters back: a collective, so every rank must call close()). Idempotent."""
+        if self._release.alive:
+            self._release()
 
 
 class _ReplicaJoinHook:
@@ -365,9 +347,6 @@ class _ReplicaJoinHook:
         self.model, self.optimizers = model, optimizers
         self.sync_final_model = sync_final_model
         rank = comm.rank_of(model.group)
-        if model.zero:
-            raise JoinError(f"rank {rank}: join() does not shadow ZeRO's reduce-scatters "
-                            "and gathers; give every rank the same number of batches")
         if any(isinstance(m, SyncBatchNorm) for m in model.module.modules()):
             raise JoinError(f"rank {rank}: join() cannot stand in for SyncBatchNorm's own "
                             "collectives in its forward and backward; give every rank the "
@@ -400,19 +379,23 @@ class _ReplicaJoinHook:
 
 
 class _Owned:
-    """What a wrapper gives back when closed or collected. It holds no reference to the
-    wrapper, so the wrapper can be collected while this waits in its finalizer."""
+    """What a wrapper gives back when closed or collected: its reducer's hooks, then
+    whatever else it registered (a reduction's threads and groups, ZeRO's gather hooks).
+    It holds no reference to the wrapper, so the wrapper can be collected while this waits
+    in its finalizer."""
 
-    def __init__(self, reducer: Reducer, reduction: Reduction,
-                 gatherer: Gatherer | None) -> None:
-        self.reducer, self.reduction, self.gatherer = reducer, reduction, gatherer
+    def __init__(self) -> None:
+        self.reducer: Reducer | None = None
+        self._releases: list[Callable[[], None]] = []
+
+    def add(self, release: Callable[[], None]) -> None:
+        self._releases.append(release)
 
     def release(self) -> None:
-        self.reducer.detach()
-        self.reduction.close()
-        if self.gatherer is not None:  # dropped without close(): the shards go with it
-            self.gatherer.remove_hooks()
-            guard_orphans(self.gatherer.owners, self.gatherer.groups)
+        if self.reducer is not None:
+            self.reducer.detach()
+        for release in self._releases:
+            release()
 
 
 # Which live wrapper reduces each parameter's gradient (weakly: a dropped wrapper is
@@ -439,13 +422,26 @@ def _check_trainable(module: nn.Module) -> None:
                          "refused); run it without a wrapper")
 
 
-def _check_zero(zero: int, compress: Any, algorithm: str) -> int:
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3; got {zero!r}")
-    if zero and (compress is not None or algorithm != "native"):
-        raise ValueError("ZeRO stages use their own reduce-scatter and all-gather; they "
-                         "take neither compress= nor an algorithm other than 'native'")
-    return zero
+def memory_report(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state this rank holds now, for a
+    DataParallel (sharded or not) or a plain module."""
+    if isinstance(model, DataParallel):
+        return model.memory_report(optimizer)
+    params = list(model.parameters())
+    return {"parameters": tensor_bytes(params),
+            "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+            "optimizer_state": state_bytes(optimizer)}
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of distinct storages (views of one buffer count once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def state_bytes(optimizer: Any) -> int:
+    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor))
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

@@ -25,13 +25,14 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from lockstep import comm
+from lockstep.sharded import ShardedDataParallel
 from lockstep.zero import FlatGroup, ZeroOptimizer
 
 
 def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     """Views of this rank's model and optimizer state in the common layout. Loading into
     it (checkpoint_files.fill) writes straight into the model and optimizer."""
-    if getattr(model, "zero", 0):
+    if isinstance(model, ShardedDataParallel):
         _ensure_state(optimizer.inner)
         return {**_sharded(model.zero_groups, optimizer), **_replicated(model.module)}
     _ensure_state(optimizer)
@@ -41,13 +42,14 @@ def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
 def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
     """Finish a load: a scalar state (Adam's step), saved once, was loaded into one
     parameter's state -- give it to all; stages 1-2 refill whole parameters from shards."""
-    inner = optimizer.inner if getattr(model, "zero", 0) else optimizer
+    sharded = isinstance(model, ShardedDataParallel)
+    inner = optimizer.inner if sharded else optimizer
     for key, value in loaded.items():
         if key.startswith("optim.") and key.count(".") == 1 and isinstance(value, torch.Tensor):
             for state in inner.state.values():
                 if key[len("optim."):] in state:
                     state[key[len("optim."):]].copy_(value)
-    if getattr(model, "zero", 0) in (1, 2):
+    if sharded and model.stage in (1, 2):
         optimizer.gather_params("all-gather of loaded shards")
 
 

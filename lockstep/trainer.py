@@ -37,6 +37,7 @@ from lockstep.precision import LossScaler, autocast, check_precision
 from lockstep.replica import DataParallel
 from lockstep.runlog import RunLog, plot_run
 from lockstep.sampler import ShardedSampler
+from lockstep.sharded import shard
 from lockstep.world import World, init
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -235,9 +236,11 @@ class Trainer:
                           bf16=c.pseudo_grad_bf16)
         if c.mode == "async":
             return LocalSGD(model, every=1)  # a replica; the parameter server keeps it current
+        if c.zero:
+            return shard(model, c.zero, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
+                         nonfinite=c.nonfinite)
         return DataParallel(model, bucket_mb=c.bucket_mb, find_unused=c.find_unused,
-                            algorithm=c.algorithm, compress=c.compress, zero=c.zero,
-                            nonfinite=c.nonfinite)
+                            algorithm=c.algorithm, compress=c.compress, nonfinite=c.nonfinite)
 
     def _in_sync(self) -> bool:
         """Whether every replica holds the same model now (always, in sync mode)."""

@@ -31,7 +31,7 @@ ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,7 +250,7 @@ class ZeroOptimizer:
         if getattr(self.inner, "needs_whole_tensors", False):
             raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
                              "each parameter whole (its trust ratio is a per-tensor norm); "
-                             "use it with zero=0")
+                             "use it without sharding (lockstep.DataParallel)")
         for g in groups:  # what the optimizer (and a loss scaler) sees as the gradient
             g.shard_param.grad = g.shard_grad
 
@@ -334,35 +334,3 @@ def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_by
 def reducer_params(groups: list[FlatGroup]) -> list[tuple[str, nn.Parameter]]:
     """The parameters in group order: the Reducer's list, so Sharding's plan indexes it."""
     return [(n, p) for g in groups for n, p in zip(g.names, g.params, strict=True)]
-
-
-# ---- memory accounting -----------------------------------------------------------------------
-
-
-def memory_report(model: Any, optimizer: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds now."""
-    stage = getattr(model, "zero", 0)
-    if stage == 0:
-        params = list(model.module.parameters()) if hasattr(model, "module") else \
-            list(model.parameters())
-        return {"parameters": _bytes(params),
-                "gradients": _bytes([p.grad for p in params if p.grad is not None]),
-                "optimizer_state": _state_bytes(optimizer)}
-    groups: list[FlatGroup] = model.zero_groups
-    flats = [g.flat for g in groups if g.flat.untyped_storage().nbytes()]
-    params = flats + ([g.shard_param for g in groups] if stage == 3 else [])
-    grads = ([b.flat for b in model.reducer.buckets if b.flat.untyped_storage().nbytes()]
-             + ([g.shard_grad for g in groups] if stage > 1 else []))
-    return {"parameters": _bytes(params), "gradients": _bytes(grads),
-            "optimizer_state": _state_bytes(optimizer)}
-
-
-def _bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages (views of one buffer count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
-def _state_bytes(optimizer: Any) -> int:
-    return _bytes(v for state in optimizer.state.values() for v in state.values()
-                  if isinstance(v, torch.Tensor))

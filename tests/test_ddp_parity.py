@@ -271,7 +271,7 @@ def test_a_module_without_trainable_parameters_is_refused() -> None:
 def check_zero3_state_dicts() -> dict[str, object]:
     world = lockstep.init()
     net, plain = make_model("mlp"), make_model("mlp")
-    model = lockstep.DataParallel(net, zero=3)
+    model = lockstep.shard(net, 3)
     opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
     plain_model = lockstep.DataParallel(plain)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
@@ -293,7 +293,7 @@ def check_zero3_state_dicts() -> dict[str, object]:
     after_close = max((net.state_dict()[k] - v).abs().max().item()
                       for k, v in plain.state_dict().items())
     dropped = make_model("mlp")
-    lockstep.DataParallel(dropped, zero=3)  # dropped at once, without close()
+    lockstep.shard(dropped, 3)  # dropped at once, without close()
     gc.collect()
     try:
         dropped(x)
@@ -338,7 +338,9 @@ def _wrap_train_drop(config: dict[str, object]) -> weakref.ref[lockstep.DataPara
     elif options.get("compress") == "TopK":
         options["compress"] = lockstep.TopK(0.1, warmup_steps=1)
     net = make_model("transformer")
-    model = lockstep.DataParallel(net, bucket_mb=0.01, **options)  # type: ignore[arg-type]
+    stage = options.pop("zero", 0)
+    model = lockstep.shard(net, stage, bucket_mb=0.01) if stage else \
+        lockstep.DataParallel(net, bucket_mb=0.01, **options)  # type: ignore[arg-type]
     opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
     for step in range(3):
         x, y = batch("transformer", step * world.world_size + world.rank, 4)

@@ -22,7 +22,8 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
     world = lockstep.init()
     rank, n = world.rank, world.world_size
     net, reference = make_model(kind), make_model(kind)
-    model = lockstep.DataParallel(net, bucket_mb=0.004, first_bucket_mb=0.004, zero=stage)
+    model = lockstep.shard(net, stage, bucket_mb=0.004, first_bucket_mb=0.004) if stage \
+        else lockstep.DataParallel(net, bucket_mb=0.004, first_bucket_mb=0.004)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt, ref_opt = model.make_optimizer(cls, **kwargs), cls(reference.parameters(), **kwargs)
     for step in range(STEPS):
@@ -87,7 +88,7 @@ def test_units_are_layers_and_tied_weights_have_one_owner() -> None:
 
 def check_needs_whole_tensors() -> str:
     lockstep.init()
-    model = lockstep.DataParallel(make_model("mlp"), zero=1)
+    model = lockstep.shard(make_model("mlp"), 1)
     try:
         model.make_optimizer(lockstep.LAMB, lr=1e-3)
     except ValueError as error:
@@ -122,7 +123,7 @@ def check_memory(stage: int) -> tuple[dict[str, int], int, int]:
     before = live_tensor_bytes()
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(1000, 1000) for _ in range(10)])
-    model = lockstep.DataParallel(net, zero=stage)
+    model = lockstep.shard(net, stage) if stage else lockstep.DataParallel(net)
     opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
     x = torch.randn(4, 1000)
     model(x).square().mean().backward()
@@ -156,8 +157,10 @@ def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bo
     return the parameters' fingerprint after each step that follows."""
     world = lockstep.init()
     rank, n = world.rank, world.world_size
-    model = lockstep.DataParallel(make_model("transformer"), bucket_mb=0.004,
-                                  first_bucket_mb=0.004, zero=stage)
+    buckets = {"bucket_mb": 0.004, "first_bucket_mb": 0.004}
+    net = make_model("transformer")
+    model = lockstep.shard(net, stage, **buckets) if stage else \
+        lockstep.DataParallel(net, **buckets)  # type: ignore[arg-type]
     opt = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     start = 0
     if load:
@@ -181,13 +184,13 @@ def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bo
 def _whole_parameters(model: lockstep.DataParallel) -> torch.Tensor:
     """The whole parameters, flattened (gathered first at stage 3)."""
     for g in getattr(model, "zero_groups", []):
-        if model.zero == 3:
+        if model.stage == 3:
             g.materialize()
             lockstep.comm.all_gather_into(g.flat, g.shard_param.detach().clone(), "gather")
     values = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()
                         if p.requires_grad])
     for g in getattr(model, "zero_groups", []):
-        if model.zero == 3:
+        if model.stage == 3:
             g.release()
     return values.clone()
 
