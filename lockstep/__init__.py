@@ -19,13 +19,15 @@ from lockstep.algorithms import AllReduce
 from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
 from lockstep.compress import PowerSGD, TopK
+from lockstep.consistency import ModelMismatchError
 from lockstep.join import JoinError
+from lockstep.memory import memory_report
 from lockstep.nonfinite import NonFiniteGradientError
 from lockstep.optim import LAMB, LARS, LRSchedule
 from lockstep.precision import LossScaler
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.reduction import Bucket, Reduction
-from lockstep.replica import DataParallel, ModelMismatchError, memory_report
+from lockstep.replica import DataParallel
 from lockstep.sampler import ShardedSampler
 from lockstep.sharded import ShardedDataParallel, shard
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm

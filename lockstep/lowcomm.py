@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.replica import verify_replicas_match
+from lockstep.consistency import verify_replicas_match
 from lockstep.world import current
 
 

@@ -13,9 +13,8 @@ the module. Backward does the rest (see reducer.py).
 
 from __future__ import annotations
 
-import hashlib
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,10 +25,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lockstep import comm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.compress import make_reduction
+from lockstep.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter
 from lockstep.join import Join, JoinError, JoinHook
 from lockstep.logs import get_logger
+from lockstep.memory import state_bytes, tensor_bytes
 from lockstep.nonfinite import check_mode
 from lockstep.reducer import Reducer, trainable
 from lockstep.reduction import Reduction
@@ -37,50 +38,6 @@ from lockstep.syncbn import SyncBatchNorm
 from lockstep.world import current
 
 log = get_logger(__name__)
-
-
-class ModelMismatchError(RuntimeError):
-    """Ranks wrapped models with different parameters or buffers."""
-
-
-def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
-    entries = [(f"parameter {n}", tuple(p.shape), str(p.dtype), p.requires_grad)
-               for n, p in module.named_parameters()]
-    entries += [(f"buffer {n}", tuple(b.shape), str(b.dtype), False)
-                for n, b in module.named_buffers()]
-    return entries
-
-
-def verify_replicas_match(module: nn.Module, group: comm.Group = None) -> None:
-    """Raise ModelMismatchError on every rank if any rank's model differs from rank 0's."""
-    described = _describe(module)
-    digest = hashlib.sha256(repr(described).encode()).hexdigest()
-    digests = comm.all_gather_object(digest, "model fingerprint exchange", group)
-    if len(set(digests)) == 1:
-        return
-    everyone = comm.all_gather_object(described, "model description exchange", group)
-    raise ModelMismatchError(_first_difference(everyone, comm.rank_of(group)))
-
-
-def _first_difference(described: list[list[tuple[Any, ...]]], me: int) -> str:
-    reference = described[0]
-    for rank, entries in enumerate(described[1:], start=1):
-        for position in range(max(len(reference), len(entries))):
-            ours = reference[position] if position < len(reference) else None
-            theirs = entries[position] if position < len(entries) else None
-            if ours != theirs:
-                return (f"rank {me}: DataParallel found different models across ranks: entry "
-                        f"{position} is {_fmt(ours)} on rank 0 but {_fmt(theirs)} on rank "
-                        f"{rank}. Every rank must build the same model before wrapping it.")
-    return f"rank {me}: model fingerprints differ across ranks"
-
-
-def _fmt(entry: tuple[Any, ...] | None) -> str:
-    if entry is None:
-        return "missing"
-    name, shape, dtype, requires_grad = entry
-    frozen = "" if requires_grad or name.startswith("buffer") else ", frozen"
-    return f"{name} (shape {list(shape)}, {dtype.removeprefix('torch.')}{frozen})"
 
 
 class DataParallel(nn.Module):
@@ -420,28 +377,6 @@ def _check_trainable(module: nn.Module) -> None:
         raise ValueError("DataParallel: the module has no parameter that requires a gradient, "
                          "so there is nothing to average across ranks (as DDP, this is "
                          "refused); run it without a wrapper")
-
-
-def memory_report(model: nn.Module, optimizer: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state this rank holds now, for a
-    DataParallel (sharded or not) or a plain module."""
-    if isinstance(model, DataParallel):
-        return model.memory_report(optimizer)
-    params = list(model.parameters())
-    return {"parameters": tensor_bytes(params),
-            "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
-            "optimizer_state": state_bytes(optimizer)}
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Bytes of distinct storages (views of one buffer count once)."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
-def state_bytes(optimizer: Any) -> int:
-    return tensor_bytes(v for state in optimizer.state.values() for v in state.values()
-                        if isinstance(v, torch.Tensor))
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

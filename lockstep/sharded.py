@@ -21,8 +21,9 @@ from torch import nn
 from lockstep import comm
 from lockstep.gather import Gatherer, guard_orphans
 from lockstep.join import JoinError, JoinHook
+from lockstep.memory import state_bytes, tensor_bytes
 from lockstep.reduction import Reduction
-from lockstep.replica import DataParallel, state_bytes, tensor_bytes
+from lockstep.replica import DataParallel
 from lockstep.zero import (
     FlatGroup,
     ShardedReduction,
