@@ -2,11 +2,13 @@
 
 One rank's non-finite gradient becomes every rank's after the all-reduce, and from then on
 every weight: left alone, a run "finishes" with NaN weights and overwrites its good
-checkpoints with them. So the reducer looks at each local gradient as it arrives (one
-min/max pass over memory autograd has just written), and at the end of backward the ranks
-exchange one flag each -- a tiny all-reduce launched alongside the last buckets. Every rank
-then knows the same thing at the same moment: which ranks' local gradients were not
-finite. The default stops the job with an error naming the step, those ranks and the first
+checkpoints with them. So the reducer looks at each local gradient as it arrives -- one sum
+per gradient, the cheapest pass over memory there is, and NaN and inf survive it -- and at
+the end of backward the ranks exchange one flag each, a tiny all-reduce launched alongside
+the last buckets. Every rank then knows the same thing at the same moment: which ranks'
+local gradients were not finite. A sum of finite values can overflow, so before anyone is
+stopped the averaged gradients of the flagged parameters are checked element by element.
+The default stops the job with an error naming the step, those ranks and the first
 parameter on each; `nonfinite="skip"` drops the step instead (every rank alike) and counts
 it.
 
@@ -16,7 +18,7 @@ agreed skip), so the check stands aside.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,18 +47,19 @@ class FiniteCheck:
         self.mode, self.names, self.group = mode, list(names), group
         self.backwards = 0        # synchronised backwards seen, for the step in messages
         self.skipped_steps = 0
-        self._extremes: list[tuple[int, torch.Tensor]] = []
+        self._sums: list[tuple[int, torch.Tensor]] = []
         self._flags: torch.Tensor | None = None
 
     def observe(self, index: int, grad: torch.Tensor) -> None:
-        """Record parameter `index`'s local gradient: its min and max are both finite
-        exactly when every element is (NaN and inf survive min/max; no sum to overflow)."""
+        """Record parameter `index`'s local gradient by its sum: NaN and inf survive a sum,
+        the cheapest pass over memory there is. (A sum of finite values can overflow;
+        `finish` tells that apart before anyone is stopped.)"""
         if self.mode != "off":
-            self._extremes.append((index, torch.stack(torch.aminmax(grad.detach()))))
+            self._sums.append((index, grad.detach().sum()))
 
     def reset(self) -> None:
         """Forget a backward that did not finish."""
-        self._extremes = []
+        self._sums = []
 
     def start(self) -> comm.Pending | None:
         """Launch the exchange of flags, once all of this backward's gradients were
@@ -68,19 +71,24 @@ class FiniteCheck:
             return None
         size = comm.size_of(self.group)
         flags = comm.control_tensor([0] * (size + 1), self.group)
-        if self._extremes:
-            local = torch.stack([e for _, e in self._extremes])
+        if self._sums:
+            local = torch.stack([total for _, total in self._sums])
             flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
         flags[size] = int(precision.loss_scaling_pending())
         self._flags = flags
         return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
                                      self.group)
 
-    def finish(self, exchange: comm.Pending | None) -> bool:
+    def finish(self, exchange: comm.Pending | None,
+               averaged_finite: Callable[[list[int]], bool | None]) -> bool:
         """Wait for the exchange: True if this step's gradients are usable. Raises
-        NonFiniteGradientError in "error" mode when they are not."""
+        NonFiniteGradientError in "error" mode when they are not.
+
+        A flagged sum may only have overflowed: then the averaged gradients of the flagged
+        parameters -- the same on every rank -- are finite, and every rank lets the step
+        be (`averaged_finite` says, or None where they are no longer held whole)."""
         flags, self._flags = self._flags, None
-        extremes, self._extremes = self._extremes, []
+        sums, self._sums = self._sums, []
         if exchange is None or flags is None:
             return True
         exchange.wait()
@@ -88,9 +96,12 @@ class FiniteCheck:
         bad_ranks = [r for r, flag in enumerate(per_rank) if flag]
         if not bad_ranks or scaling:
             return True
-        where = comm.all_gather_object(self._first_bad(extremes), "naming the first "
-                                       "non-finite gradient on each rank", self.group)
-        detail = "; ".join(f"rank {r}: first in '{where[r]}'" for r in bad_ranks)
+        suspects = comm.all_gather_object(_flagged(sums), "naming the non-finite gradients "
+                                          "on each rank", self.group)
+        if averaged_finite(sorted({i for indices in suspects for i in indices})) is True:
+            return True  # finite values whose sum overflowed: nothing to stop for
+        detail = "; ".join(f"rank {r}: first in '{self.names[suspects[r][0]]}'"
+                           for r in bad_ranks)
         message = (f"rank {comm.rank_of(self.group)}: synchronised backward "
                    f"{self.backwards}: non-finite gradient (NaN or inf) in the local gradients "
                    f"of rank(s) {bad_ranks} ({detail})")
@@ -104,6 +115,7 @@ class FiniteCheck:
                     self.skipped_steps)
         return False
 
-    def _first_bad(self, extremes: list[tuple[int, torch.Tensor]]) -> str | None:
-        bad = [index for index, e in extremes if not bool(torch.isfinite(e).all())]
-        return self.names[min(bad)] if bad else None
+
+def _flagged(sums: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """The parameters whose local gradient sum was not finite, in registration order."""
+    return sorted(index for index, total in sums if not bool(torch.isfinite(total)))

@@ -214,7 +214,7 @@ class Reducer:
             self._launch_in_order()
             flags = self.finite.start()
             self._wait_all()
-            finite = self.finite.finish(flags)  # agreed by every rank: raises together
+            finite = self.finite.finish(flags, self._averaged_finite)  # every rank alike
             if self.find_unused:
                 self._drop_globally_unused(emptied)
             elif unready:
@@ -226,6 +226,14 @@ class Reducer:
                 self._drop_step()
         finally:
             self._reset_for_next_backward()
+
+    def _averaged_finite(self, indices: list[int]) -> bool | None:
+        """Whether these parameters' averaged gradients are all finite (None when they are
+        no longer held whole: ZeRO's reduce-scatter keeps only shards)."""
+        grads = [self.params[i].grad for i in indices]
+        if any(g is None for g in grads):
+            return None
+        return all(bool(torch.isfinite(g).all()) for g in grads)  # type: ignore[arg-type]
 
     def _drop_step(self) -> None:
         """nonfinite="skip": no gradient, so the optimizer leaves every parameter (and its
@@ -303,7 +311,7 @@ class Reducer:
         try:
             flags = self.finite.start()
             self._wait_all()
-            self.finite.finish(flags)
+            self.finite.finish(flags, self._averaged_finite)
             if self.find_unused:
                 comm.all_reduce(comm.control_tensor([0] * len(self.params), self.group),
                                 "all-reduce of the used-parameter bitmap", self.group)

@@ -107,3 +107,20 @@ def test_the_trainer_stops_before_a_checkpoint_takes_the_bad_weights(world2: Wor
         assert result["saved"][-1] == 8
     logged = (tmp_path / "skip" / "metrics.jsonl").read_text()
     assert '"skipped_steps": 1' in logged
+
+
+def check_large_but_finite() -> tuple[str, bool]:
+    """Gradients of 8e36 per element: finite, though their sum overflows float32."""
+    lockstep.init()
+    net = torch.nn.Linear(64, 4)
+    model = lockstep.DataParallel(net)
+    try:
+        model(torch.full((8, 64), 1e36)).sum().backward()  # weight grads 8e36, sum inf
+    except NonFiniteGradientError as error:
+        return str(error), False
+    return "", bool(torch.isfinite(net.weight.grad).all())
+
+
+def test_large_finite_gradients_are_not_mistaken_for_nan(world2: World) -> None:
+    for error, finite in world2.run(check_large_but_finite):
+        assert error == "" and finite
