@@ -27,8 +27,8 @@ from pathlib import Path
 
 import lockstep
 from lockstep import costmodel
-from lockstep.algorithms import make_algorithm
 from lockstep.bench import run_on_cluster
+from lockstep.choices import make_algorithm
 from lockstep.cluster import cluster_available
 from lockstep.launch import LaunchSpec, run
 from lockstep.topology import Topology

@@ -31,7 +31,7 @@ import torch
 from torch._utils import _unflatten_dense_tensors
 
 from lockstep import comm
-from lockstep.algorithms import AllReduce, Worker, make_algorithm
+from lockstep.algorithms import AllReduce, Worker
 from lockstep.reduction import Bucket, Handle, Reduction
 
 
@@ -257,20 +257,3 @@ def make_compression(spec: Any) -> Compression | None:
         return Cast(spec)
     raise ValueError(f"compress must be None, 'bf16', 'fp16', lockstep.PowerSGD(...) or "
                      f"lockstep.TopK(...); got {spec!r}")
-
-
-def make_reduction(algorithm: str, compress: Any, group: comm.Group,
-                   local_world_size: int) -> Reduction:
-    """The named algorithm, wrapped by the compressor if one is asked for. Collective:
-    creates process groups on every rank. Combinations that cannot work are refused here
-    (a compressor over an algorithm that sums only its own buffers)."""
-    reduction = make_algorithm(algorithm, group, local_world_size)
-    compression = make_compression(compress)
-    if compression is None:
-        return reduction
-    try:
-        compression.wrap(reduction, comm.size_of(group))
-    except ValueError:
-        reduction.close()
-        raise
-    return compression

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from lockstep import comm
-from lockstep.algorithms import AllReduce, SharedMemory
+from lockstep.algorithms import AllReduce
+from lockstep.hostreduce import SharedMemory
 from lockstep.topology import Topology
 from lockstep.world import current
 

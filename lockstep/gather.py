@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.reducer import find_tensors
+from lockstep.outputs import find_tensors
 from lockstep.zero import FlatGroup
 
 

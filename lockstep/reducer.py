@@ -26,9 +26,8 @@ arrived (rank 0's order, broadcast), so buckets fill contiguously and launch ear
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from lockstep import comm
 from lockstep.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
 from lockstep.logs import get_logger
 from lockstep.nonfinite import FiniteCheck
+from lockstep.outputs import find_tensors
 from lockstep.reduction import Bucket, Reduction, scaled_copy
 
 log = get_logger(__name__)
@@ -376,24 +376,6 @@ def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
         if live is not None:
             live._on_grad_ready(index)
     return hook
-
-
-def find_tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Every tensor in a model's output: tensors, sequences, mappings (Hugging Face's
-    ModelOutput is one) and dataclasses, nested."""
-    if depth > 32:  # a cycle, or a structure too deep to be a model's output
-        return
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from find_tensors(item, depth + 1)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from find_tensors(item, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from find_tensors(getattr(obj, f.name, None), depth + 1)
 
 
 def naive_average_gradients(params: Sequence[torch.nn.Parameter],

@@ -24,7 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lockstep import comm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
-from lockstep.compress import make_reduction
+from lockstep.choices import make_reduction
 from lockstep.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.ddp_args import read_ddp_arguments
 from lockstep.diagnostics import reporter

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.algorithms import ALGORITHMS, make_algorithm
+from lockstep.choices import ALGORITHMS, make_algorithm
 from lockstep.testing import World
 from lockstep.topology import check_layout, peers_across_hosts, ranks_on_host
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
