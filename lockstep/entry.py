@@ -29,8 +29,12 @@ def main() -> None:
     handler.initialize()
     try:
         _run(kind, target, args)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
         raise
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so once, not every rank's traceback
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            raise
+        sys.exit(130)
     except BaseException as error:
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not under a launcher: the usual
             raise
