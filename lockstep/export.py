@@ -1,0 +1,69 @@
+"""The trained weights alone, for inference: no optimizer, no wrapper, no lockstep needed.
+
+    lockstep.export_weights(trainer.model, "model.safetensors")   # or "model.pt"
+    net = lockstep.load_weights(small_cnn(), "model.safetensors")  # a plain nn.Module
+
+".safetensors" files need the `safetensors` package (pip install safetensors); any other
+name is a plain state dict of tensors that `torch.load(path, weights_only=True)` reads.
+Nothing is unpickled but tensors, so a weights file from elsewhere runs no code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep import comm
+
+
+@contextlib.contextmanager
+def _whole_parameters(model: Any) -> Iterator[nn.Module]:
+    """The plain module with every parameter whole: under ZeRO-3 each rank holds a shard,
+    so the flat groups are gathered (a collective: every rank takes part), then freed."""
+    groups = getattr(model, "zero_groups", []) if getattr(model, "zero", 0) == 3 else []
+    for g in groups:
+        g.materialize()
+        comm.all_gather_into(g.flat, g.shard_param.detach().clone(), "export: gather weights",
+                             model.group)
+    try:
+        yield getattr(model, "module", model)
+    finally:
+        for g in groups:
+            g.release()
+
+
+def export_weights(model: Any, path: str | Path) -> Path | None:
+    """Save `model`'s weights and buffers (a DataParallel, LocalSGD, DiLoCo or plain module).
+    Call on every rank of a job; rank 0 writes and returns the path, the others None."""
+    path = Path(path)
+    with _whole_parameters(model) as module:
+        state = {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    return path
+
+
+def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
+    """Load a file from `export_weights` into a plain (unwrapped) module; returns it."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    module.load_state_dict(state)
+    return module
