@@ -11,9 +11,16 @@ import lockstep
 from lockstep.launch import LaunchSpec, run
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
 def _workers(text: str) -> int:
-    """-n: a positive number of workers (argparse turns the ValueError into a usage error)."""
-    value = int(text)
+    """-n: a positive number of workers (argparse turns the error into a usage message)."""
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}")
     return value
@@ -30,7 +37,7 @@ def _nnodes(text: str) -> str:
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    value = _whole(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
