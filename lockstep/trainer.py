@@ -73,6 +73,8 @@ class TrainConfig:
     all ranks). Weights, gradients and optimizer state stay fp32 in every case."""
     eval_every_epochs: int = 1
     """Evaluate on the test set every this many epochs (and always at the end)."""
+    eval_every_steps: int | None = None
+    """Also evaluate every this many steps (for runs shorter than an epoch)."""
     eval_batch_size: int = 256
     """Per-rank batch for evaluation."""
     checkpoint_every_steps: int | None = None
@@ -312,6 +314,8 @@ class Trainer:
                     self.state.global_step == self.total_steps:
                 self._log_window(runlog, window_loss, window_steps, window_start)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+            if self._mid_epoch_eval_due(epoch_done):
+                self._evaluate_and_record(runlog)
             for callback in self.callbacks:
                 callback(self)
             if self._checkpoint_due(epoch_done):
@@ -496,6 +500,12 @@ class Trainer:
         return metrics
 
     # ---- checkpoints ---------------------------------------------------------------------
+
+    def _mid_epoch_eval_due(self, epoch_done: bool) -> bool:
+        """eval_every_steps says so, and neither the epoch's end nor the run's will."""
+        every, step = self.config.eval_every_steps, self.state.global_step
+        return every is not None and step % every == 0 and step < self.total_steps and not (
+            epoch_done and self.state.epoch % self.config.eval_every_epochs == 0)
 
     def _checkpoint_due(self, epoch_done: bool) -> bool:
         if not self._in_sync():  # replicas differ mid-round: wait for its end

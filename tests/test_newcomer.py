@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import lockstep
+from lockstep import configfile
 from lockstep.testing import World
 from tests.models import digits
 
@@ -76,6 +77,9 @@ def test_a_newcomers_run_is_seeded_complete_recorded_and_exportable(world2: Worl
     saved = json.loads((tmp_path / "a/config.json").read_text())
     assert saved["seed"] == 3 and saved["global_batch_size"] == 48
     assert saved["trackers"] == ["tensorboard"]
+    again = configfile.configure(lockstep.TrainConfig(), tmp_path / "a/config.json")
+    assert again == lockstep.TrainConfig(**{**saved, "trackers": ("tensorboard",)})
+    assert (again.seed, again.epochs, again.log_every_steps) == (3, 2, 7)
     events = b"".join(p.read_bytes() for p in (tmp_path / "a/tensorboard").iterdir())
     assert b"hparams" in events and b"global_batch_size" in events
     # Exported weights load into a plain model, no optimizer, and give the same outputs.
