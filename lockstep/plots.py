@@ -63,11 +63,13 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     _accuracy(axes[0][1], evals)
     _series(axes[1][0], train, "lr", "learning rate", "tab:purple")
     _series(axes[1][1], train, "samples_per_s", "throughput (samples/s)", "tab:orange")
+    axes[1][0].set_ylim(bottom=0)  # a constant rate reads as constant, not as noise
     axes[1][1].set_ylim(bottom=0)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.set_xlabel("step")
-    fig.suptitle(f"{run_dir.name}\n{_wrap(config_line(run_dir))}", fontsize=10)
+    name = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.parent.name else run_dir.name
+    fig.suptitle(f"{name}\n{_wrap(config_line(run_dir))}", fontsize=10)
     fig.tight_layout()
     out = out or run_dir / "training.png"
     fig.savefig(out, dpi=100)
@@ -75,14 +77,15 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     return out
 
 
-def _wrap(text: str, width: int = 140) -> str:
-    lines, line = [], ""
-    for part in text.split(", "):
-        if line and len(line) + len(part) > width:
-            lines.append(line + ",")
-            line = ""
-        line = f"{line} {part}".strip() if line else part
-    return "\n".join([*lines, line])
+def _wrap(text: str, width: int = 130) -> str:
+    """Break a 'k=v, k=v, ...' line between items, not inside one."""
+    lines: list[str] = []
+    for part in text.split(", ") if text else []:
+        if lines and len(lines[-1]) + len(part) + 2 <= width:
+            lines[-1] += f", {part}"
+        else:
+            lines.append(part)
+    return "\n".join(lines)
 
 
 def _loss(ax: Any, train: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:

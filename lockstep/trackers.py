@@ -5,7 +5,8 @@ default, so nothing leaves the machine unless the user says so:
 
 - "tensorboard": events under run_dir/tensorboard, the config as hyperparameters (HPARAMS tab).
 - "mlflow": an MLflow run; MLFLOW_TRACKING_URI if set, else a file store in run_dir/mlruns
-  (`mlflow ui --backend-store-uri run_dir/mlruns`).
+  (MLflow 3 wants MLFLOW_ALLOW_FILE_STORE=true for it, which is then set;
+  `mlflow ui --backend-store-uri run_dir/mlruns` shows it).
 - "wandb": a Weights & Biases run in run_dir/wandb, mode WANDB_MODE if set, else "offline"
   (`wandb sync` uploads it later).
 
@@ -87,6 +88,8 @@ class MLflow:
         import mlflow
 
         if "MLFLOW_TRACKING_URI" not in os.environ:  # offline: a file store in the run
+            # MLflow 3 keeps its file store (needs no database packages) behind this switch.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "lockstep"))
         self.mlflow = mlflow
@@ -104,9 +107,9 @@ class Wandb:
     def __init__(self, run_dir: Path, config: dict[str, Any]) -> None:
         import wandb
 
+        mode: Any = os.environ.get("WANDB_MODE", "offline")  # wandb checks the value
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "lockstep"),
-                              name=run_dir.name, dir=str(run_dir), config=config,
-                              mode=os.environ.get("WANDB_MODE", "offline"))
+                              name=run_dir.name, dir=str(run_dir), config=config, mode=mode)
 
     def log(self, kind: str, step: int, values: dict[str, float]) -> None:
         self.run.log({f"{kind}/{k}": v for k, v in values.items()}, step=step)

@@ -105,6 +105,7 @@ def test_mlflow_logs_the_config_and_metrics_offline_to_a_file_store(
         "mlflow", reason="MLflow is an optional tracker (pip install mlflow); not in [dev]: "
         "it brings ~60 packages")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # what the tracker sets; undone after
     run_dir = tmp_path / "run"
     log = RunLog(run_dir, True, 10, 0, progress=False, config={"lr": 0.1, "seed": 3,
                  "max_steps": None}, trackers=("mlflow",))
