@@ -3,7 +3,9 @@
 It trains a small CNN on real MNIST digits twice with the same config -- on 1 worker, then
 on 2 -- and ends with a summary: the test accuracy, samples/s at each worker count measured
 in this run, how far apart the two runs' weights ended (data parallelism changes the speed,
-not the result), and a fingerprint of the final weights so anyone can check a reproduction.
+not the result), and a fingerprint of the final weights, which repeats on the same machine
+and software (another machine's float kernels round differently). Each demo writes into a
+new folder, out/run-N, and never deletes anything.
 
 The launcher half parses options and starts workers through `lockstep run`; the worker
 half (`--worker`) is an ordinary Trainer script.
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               "training;\n  sums taken in another order round differently, and training "
               "amplifies it)")
     print(f"weights fingerprint: {multi['fingerprint']}")
+    print("  (repeats run after run on this machine; another CPU, thread count or torch build "
+          "rounds\n  differently and gives another -- compare the two runs above instead)")
     tensorboard = ", TensorBoard events" if (Path(multi["dir"]) / "tensorboard").exists() else ""  # type: ignore[arg-type]
     print(f"metrics.jsonl{tensorboard} and training.png in {multi['dir']}")
     print(f"test accuracy: {multi['test_accuracy']:.2f}")
