@@ -100,6 +100,20 @@ def parse_override(text: str) -> tuple[str, Any]:
         return name, raw
 
 
+def as_record(config: Any) -> dict[str, Any]:
+    """A config dataclass as JSON that `configure` reads back: plain values as they are,
+    lists of them as lists, other objects (a compressor) by repr. (dataclasses.asdict would
+    deep-copy a compressor, thread and all.)"""
+    plain = (int, float, str, bool, type(None))
+
+    def record(value: Any) -> Any:
+        if isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value):
+            return list(value)
+        return value if isinstance(value, plain) else repr(value)
+
+    return {f.name: record(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
 def apply(config: C, values: dict[str, Any], source: str) -> C:
     """`config` with `values` replacing its fields; names and types checked."""
     assert dataclasses.is_dataclass(config) and not isinstance(config, type)

@@ -108,8 +108,11 @@ def typical_speed(run_dir: Path) -> float:
 
 
 def _launch(folder: Path, argv: list[str], workers: int) -> dict[str, object]:
-    if run(LaunchSpec(nproc=workers, target="lockstep.demo", module=True,
-                      args=["--worker", *argv, "--out", str(folder)])) != 0:
+    code = run(LaunchSpec(nproc=workers, target="lockstep.demo", module=True,
+                          args=["--worker", *argv, "--out", str(folder)]))
+    if code == 130:  # Ctrl-C: the launcher has said so
+        raise SystemExit(code)
+    if code != 0:
         raise SystemExit(f"lockstep demo: the {workers}-worker run failed (see above)")
     run_dir = run_dir_of(folder, workers)
     return {**json.loads((run_dir / SUMMARY).read_text()), "dir": run_dir}

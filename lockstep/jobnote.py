@@ -14,15 +14,18 @@ from pathlib import Path
 ENV = "LOCKSTEP_CHECKPOINT_NOTE"
 
 
-def checkpoint_written(folder: Path) -> None:
+def checkpoint_written(folder: Path, resumes: bool) -> None:
+    """Rank 0: `folder` is complete; `resumes` says whether re-running the same command
+    continues from it (resume="auto") or starts afresh."""
     path = os.environ.get(ENV)
     if path:
-        Path(path).write_text(str(folder.resolve()))
+        Path(path).write_text(f"{int(resumes)} {folder.resolve()}")
 
 
-def last_checkpoint(note: Path) -> str | None:
-    """The folder written last, if any was."""
+def last_checkpoint(note: Path) -> tuple[str, bool] | None:
+    """(folder, whether the same command resumes from it) of the newest, if any was written."""
     try:
-        return note.read_text().strip() or None
+        resumes, _, folder = note.read_text().strip().partition(" ")
     except FileNotFoundError:
         return None
+    return (folder, resumes == "1") if folder else None

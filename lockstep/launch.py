@@ -119,12 +119,15 @@ def _checkpoint_note() -> Path:
     return Path(path)
 
 
-def interrupted(stop: BaseException, checkpoint: str | None) -> str:
+def interrupted(stop: BaseException, checkpoint: tuple[str, bool] | None) -> str:
     """The one line a user who pressed Ctrl-C (or sent SIGTERM) is shown."""
     sig = int(getattr(stop, "sigval", signal.SIGINT))  # torchrun's SignalException has one
     how = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
-    where = f"last checkpoint: {checkpoint} (run the same command to resume from it)" \
-        if checkpoint else "no checkpoint was written"
+    where = "no checkpoint was written"
+    if checkpoint is not None:
+        folder, resumes = checkpoint
+        where = f"last checkpoint: {folder}" + (
+            " (run the same command to resume from it)" if resumes else "")
     return f"\nlockstep run: interrupted ({how}); the workers were stopped; {where}"
 
 

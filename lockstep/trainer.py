@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep import checkpoint, comm, export, jobnote, trackers
+from lockstep import checkpoint, comm, configfile, export, jobnote, trackers
 from lockstep.lowcomm import DiLoCo, LocalSGD
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
 from lockstep.paramserver import ParameterServer, Worker, session_prefix
@@ -531,16 +531,7 @@ class Trainer:
             else {}
 
     def _config_record(self) -> dict[str, Any]:
-        """The config as JSON: plain values as they are, objects (a compressor) by repr.
-        (dataclasses.asdict would deep-copy a compressor, thread and all.)"""
-        plain = (int, float, str, bool, type(None))
-
-        def record(value: Any) -> Any:
-            if isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value):
-                return list(value)
-            return value if isinstance(value, plain) else repr(value)
-
-        return {f.name: record(getattr(self.config, f.name)) for f in fields(self.config)}
+        return configfile.as_record(self.config)
 
     def save_checkpoint(self) -> Path:
         started = time.perf_counter()
@@ -556,7 +547,7 @@ class Trainer:
                                  self.config.keep_checkpoints, self._extra_tensors())
         self._checkpoint_seconds += time.perf_counter() - started
         if self.world.is_main:
-            jobnote.checkpoint_written(folder)  # `lockstep run` names it if interrupted
+            jobnote.checkpoint_written(folder, self.config.resume == "auto")  # for Ctrl-C
         return folder
 
     def export(self, path: str | Path) -> Path | None:
