@@ -65,7 +65,7 @@ config = lockstep.TrainConfig(global_batch_size=32, epochs=3, run_dir="runs/tiny
 lockstep.Trainer(lambda: torch.nn.Linear(8, 2), torch.optim.Adam, data, data,
                  config=config).fit()
 EOF
-lockstep run -n 2 "$W/tiny.py" >"$(log tiny.out)" 2>&1
+(cd "$W" && lockstep run -n 2 tiny.py) >"$(log tiny.out)" 2>&1
 check "finding 9: no matplotlib -> one line saying so: $(grep -o 'skipped training.png.*' "$(log tiny.out)")" \
     test "$(count "$(log tiny.out)" 'skipped training.png: pip install matplotlib')" = 1
 check "finding 9: no TensorBoard -> one line saying so" \
