@@ -9,7 +9,9 @@
 # The cluster step needs root (network namespaces); elsewhere it is reported as skipped.
 set -uo pipefail
 
-REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+# LOCKSTEP_REPO: the clone to replay (default: the one holding this script). Run a copy of
+# this script when editing the original meanwhile: bash reads a script as it goes.
+REPO=${LOCKSTEP_REPO:-$(git -C "$(dirname "$0")" rev-parse --show-toplevel)}
 W=${1:-$(mktemp -d /tmp/lockstep-newcomer.XXXXXX)}
 PY=${PYTHON:-python3}
 FAILED=0
