@@ -112,6 +112,8 @@ def _accuracy(ax: Any, evals: list[dict[str, Any]]) -> None:
     ax.plot(*zip(*points, strict=True), "o-", color="tab:green")
     step, accuracy = points[-1]
     note = "one evaluation, at the end" if len(points) == 1 else "last"
+    if len(points) == 1:  # the run's whole span, as the other panels show it
+        ax.set_xlim(0, step * 1.05)
     ax.annotate(f"{accuracy:.4f} ({note})", (step, accuracy), textcoords="offset points",
                 xytext=(-10, -15), ha="right")
 
