@@ -111,11 +111,11 @@ def _accuracy(ax: Any, evals: list[dict[str, Any]]) -> None:
         return
     ax.plot(*zip(*points, strict=True), "o-", color="tab:green")
     step, accuracy = points[-1]
-    note = "one evaluation, at the end" if len(points) == 1 else "last"
     if len(points) == 1:  # the run's whole span, as the other panels show it
         ax.set_xlim(0, step * 1.05)
-    ax.annotate(f"{accuracy:.4f} ({note})", (step, accuracy), textcoords="offset points",
-                xytext=(-10, -15), ha="right")
+    note = "one evaluation, at the end" if len(points) == 1 else f"last, at step {step}"
+    # In a corner, where a rising curve is not: a label on the point would cover the line.
+    ax.text(0.98, 0.04, f"{accuracy:.4f} ({note})", transform=ax.transAxes, ha="right")
 
 
 def _series(ax: Any, train: list[dict[str, Any]], key: str, title: str, color: str) -> None:
