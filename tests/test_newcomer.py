@@ -98,3 +98,21 @@ def test_seed_everything_repeats_a_model_built_outside_the_trainer() -> None:
     second = unseeded_mlp()
     assert lockstep.fingerprint(first) == lockstep.fingerprint(second)
     assert lockstep.fingerprint(first) != lockstep.fingerprint(unseeded_mlp())
+
+
+def check_export_under_zero3(path: str) -> dict[str, torch.Tensor]:
+    lockstep.seed_everything(11)
+    net = unseeded_mlp()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    model = lockstep.DataParallel(net, zero=3)  # each rank now holds a shard of each weight
+    model.make_optimizer(torch.optim.SGD, lr=0.1)
+    lockstep.export_weights(model, path)
+    return before
+
+
+def test_export_gathers_the_whole_weights_under_zero3(world2: World, tmp_path: Path) -> None:
+    before = world2.run(check_export_under_zero3, str(tmp_path / "zero3.pt"))[0]
+    loaded = lockstep.load_weights(unseeded_mlp(), tmp_path / "zero3.pt").state_dict()
+    assert loaded.keys() == before.keys()
+    for name, tensor in before.items():
+        assert torch.equal(loaded[name], tensor), name
