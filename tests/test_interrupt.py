@@ -113,3 +113,15 @@ def _without_help(shown: str) -> list[str]:
     return [line.strip() for line, below in itertools.pairwise(lines)
             if re.match(r"^  -", line) and not re.match(r"^  \S.*?\s{2,}\S", line)
             and not re.match(r"^ {10,}\S", below)]
+
+
+def test_env_reports_versions_backends_and_the_torchrun_environment(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setenv("MASTER_PORT", "29512")
+    assert cli.main(["env"]) == 0
+    shown = capsys.readouterr().out
+    assert f"lockstep: {lockstep.__version__}" in shown and f"torch: {torch.__version__}" in shown
+    assert "distributed backends built: gloo" in shown and "cores usable: " in shown
+    assert "  MASTER_PORT=29512" in shown and "  tqdm: " in shown
