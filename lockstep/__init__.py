@@ -13,6 +13,10 @@ The path one step takes:
     world = lockstep.init()
     model = lockstep.DataParallel(net.to(world.device))
     sampler = lockstep.ShardedSampler(dataset, shuffle=True, seed=0)
+
+Beside the path: `Trainer`/`TrainConfig` (the loop), `seed_everything`, `export_weights` /
+`load_weights` (weights for inference), `configfile` (TOML/JSON configs and --set
+overrides), `trackers` (TensorBoard, MLflow, W&B), and `lockstep env` for bug reports.
 """
 
 from lockstep.algorithms import AllReduce
@@ -20,6 +24,7 @@ from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
 from lockstep.compress import PowerSGD, TopK
 from lockstep.consistency import ModelMismatchError
+from lockstep.export import export_weights, load_weights
 from lockstep.join import JoinError
 from lockstep.memory import memory_report
 from lockstep.nonfinite import NonFiniteGradientError
@@ -29,6 +34,7 @@ from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.reduction import Bucket, Reduction
 from lockstep.replica import DataParallel
 from lockstep.sampler import ShardedSampler
+from lockstep.seeding import seed_everything
 from lockstep.sharded import ShardedDataParallel, shard
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
 from lockstep.trainer import TrainConfig, Trainer
@@ -60,9 +66,12 @@ __all__ = [
     "UnusedParameterError",
     "World",
     "convert_sync_batchnorm",
+    "export_weights",
     "fingerprint",
     "init",
+    "load_weights",
     "memory_report",
     "naive_average_gradients",
+    "seed_everything",
     "shard",
 ]

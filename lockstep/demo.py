@@ -3,7 +3,9 @@
 It trains a small CNN on real MNIST digits twice with the same config -- on 1 worker, then
 on 2 -- and ends with a summary: the test accuracy, samples/s at each worker count measured
 in this run, how far apart the two runs' weights ended (data parallelism changes the speed,
-not the result), and a fingerprint of the final weights so anyone can check a reproduction.
+not the result), and a fingerprint of the final weights, which repeats on the same machine
+and software (another machine's float kernels round differently). Each demo writes into a
+new folder, out/run-N, and never deletes anything.
 
 The launcher half parses options and starts workers through `lockstep run`; the worker
 half (`--worker`) is an ordinary Trainer script.
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -49,14 +50,32 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=64,
                    help="samples per step, over all workers")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (cosine decay)")
-    p.add_argument("--out", default="runs/demo", help="output folder")
+    p.add_argument("--out", default="runs/demo",
+                   help="parent folder: each demo writes into a new run-N folder inside it, "
+                   "and nothing already there is touched")
     p.add_argument("--skip-single", action="store_true",
                    help="skip the 1-worker comparison run")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def run_dir_of(out: str, workers: int) -> Path:
+def new_run_folder(out: str | Path) -> Path:
+    """A folder no one has used: out/run-1, run-2, ... (the first that does not exist yet).
+    The demo never deletes or overwrites: earlier runs and the user's files stay as they are.
+    mkdir without exist_ok claims the name, so two demos started at once cannot share it."""
+    parent = Path(out)
+    parent.mkdir(parents=True, exist_ok=True)
+    taken = [int(p.name[4:]) for p in parent.glob("run-*") if p.name[4:].isdigit()]
+    number = max(taken, default=0) + 1
+    while True:
+        try:
+            (parent / f"run-{number}").mkdir()
+            return parent / f"run-{number}"
+        except FileExistsError:
+            number += 1
+
+
+def run_dir_of(out: str | Path, workers: int) -> Path:
     """Where the run with this many workers keeps its logs, weights and summary."""
     return Path(out) / f"{workers}-worker{'s' if workers > 1 else ''}"
 
@@ -88,11 +107,14 @@ def typical_speed(run_dir: Path) -> float:
     return statistics.median(speeds) if speeds else 0.0
 
 
-def _launch(args: argparse.Namespace, argv: list[str], workers: int) -> dict[str, object]:
-    if run(LaunchSpec(nproc=workers, target="lockstep.demo", module=True,
-                      args=["--worker", *argv])) != 0:
+def _launch(folder: Path, argv: list[str], workers: int) -> dict[str, object]:
+    code = run(LaunchSpec(nproc=workers, target="lockstep.demo", module=True,
+                          args=["--worker", *argv, "--out", str(folder)]))
+    if code == 130:  # Ctrl-C: the launcher has said so
+        raise SystemExit(code)
+    if code != 0:
         raise SystemExit(f"lockstep demo: the {workers}-worker run failed (see above)")
-    run_dir = run_dir_of(args.out, workers)
+    run_dir = run_dir_of(folder, workers)
     return {**json.loads((run_dir / SUMMARY).read_text()), "dir": run_dir}
 
 
@@ -108,21 +130,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker or "WORLD_SIZE" in os.environ:  # inside a launched job: never launch again
         worker(args)
         return 0
-    if args.dataset == "fashion-mnist":
-        try:  # a one-line error now, not a worker's traceback later
-            data.check_fashion_mnist(args.data_path or data.FASHION_MNIST_DIR)
-        except FileNotFoundError as error:
-            print(f"lockstep demo: {error}", file=sys.stderr)
-            return 2
-    shutil.rmtree(args.out, ignore_errors=True)
+    try:  # a one-line error now, not a worker's traceback later
+        data.check(args.dataset, args.data_path)
+    except FileNotFoundError as error:
+        print(f"lockstep demo: {error}", file=sys.stderr)
+        return 2
+    folder = new_run_folder(args.out)
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if busy > 0.5 * (os.cpu_count() or 1):
         print(f"note: this machine is busy (load {busy:.1f}); the speeds below will be noisy")
     started = time.perf_counter()
     print(f"lockstep demo: a small CNN on {args.dataset}, global batch {args.global_batch}, "
-          f"{args.epochs} epochs, trained on 1 worker and then on {args.workers}", flush=True)
-    single = None if args.skip_single or args.workers == 1 else _launch(args, argv, 1)
-    multi = _launch(args, argv, args.workers)
+          f"{args.epochs} epochs, trained on 1 worker and then on {args.workers}, in {folder}",
+          flush=True)
+    single = None if args.skip_single or args.workers == 1 else _launch(folder, argv, 1)
+    multi = _launch(folder, argv, args.workers)
     print(f"\n{'=' * 72}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"on this machine ({cores} cores):")
@@ -139,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
               "training;\n  sums taken in another order round differently, and training "
               "amplifies it)")
     print(f"weights fingerprint: {multi['fingerprint']}")
+    print("  (repeats run after run on this machine; another CPU, thread count or torch build "
+          "rounds\n  differently and gives another -- compare the two runs above instead)")
     tensorboard = ", TensorBoard events" if (Path(multi["dir"]) / "tensorboard").exists() else ""  # type: ignore[arg-type]
     print(f"metrics.jsonl{tensorboard} and training.png in {multi['dir']}")
     print(f"test accuracy: {multi['test_accuracy']:.2f}")

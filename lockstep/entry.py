@@ -64,8 +64,10 @@ def main() -> None:
         if code != 0:
             record("exit", f"exited with code {code} (sys.exit)", code)
         raise
-    except KeyboardInterrupt:
-        raise
+    except KeyboardInterrupt:  # Ctrl-C: the launcher says so once, not every rank's traceback
+        if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+            raise
+        sys.exit(130)
     except BaseException as error:
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not under a launcher: the usual
             raise

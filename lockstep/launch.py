@@ -14,11 +14,13 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lockstep import jobnote
 from lockstep.entry import RECORD
 
 
@@ -78,6 +80,7 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
 def run(spec: LaunchSpec) -> int:
     """Launch and wait. Returns 0, or the failed worker's exit code after printing why."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     problem = check_target(spec)
@@ -86,17 +89,56 @@ def run(spec: LaunchSpec) -> int:
         return 2
     # torchrun's own process-management log repeats what the summary below says, better.
     logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.run"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropDeathSignalNotice) for f in logger.filters):
+            logger.addFilter(_DropDeathSignalNotice())
     user_threads = os.environ.get("OMP_NUM_THREADS")  # the user's choice wins
     os.environ["OMP_NUM_THREADS"] = user_threads or str(threads_per_worker(spec.nproc))
+    note = _checkpoint_note()
     try:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
     except ChildFailedError as failed:
         print(failure_summary(failed), file=sys.stderr)
         return exit_status(failed)
+    except (KeyboardInterrupt, SignalException) as stop:
+        print(interrupted(stop, jobnote.last_checkpoint(note)), file=sys.stderr, flush=True)
+        return 128 + int(getattr(stop, "sigval", signal.SIGINT))  # the shell's convention
     finally:  # a later launch from this process computes its own
         if user_threads is None:
             del os.environ["OMP_NUM_THREADS"]
+        os.environ.pop(jobnote.ENV, None)
+        note.unlink(missing_ok=True)
     return 0
+
+
+def _checkpoint_note() -> Path:
+    """A file for the workers' rank 0 to name its newest checkpoint in (see jobnote)."""
+    handle, path = tempfile.mkstemp(prefix="lockstep-run-", suffix=".checkpoint")
+    os.close(handle)
+    os.environ[jobnote.ENV] = path
+    return Path(path)
+
+
+def interrupted(stop: BaseException, checkpoint: tuple[str, bool] | None) -> str:
+    """The one line a user who pressed Ctrl-C (or sent SIGTERM) is shown."""
+    sig = int(getattr(stop, "sigval", signal.SIGINT))  # torchrun's SignalException has one
+    how = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+    where = "no checkpoint was written"
+    if checkpoint is not None:
+        folder, resumes = checkpoint
+        where = f"last checkpoint: {folder}" + (
+            " (run the same command to resume from it)" if resumes else "")
+    return f"\nlockstep run: interrupted ({how}); the workers were stopped; {where}"
+
+
+class _DropDeathSignalNotice(logging.Filter):
+    """torchrun's agent warns "Received 2 death signal, shutting down workers"; the launcher
+    says it once, in its own words, with the checkpoint to resume from."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "death signal" not in record.getMessage() and \
+            "Got termination signal" not in record.getMessage()
 
 
 def _record(failure: Any) -> dict[str, Any]:

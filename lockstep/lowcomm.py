@@ -100,6 +100,10 @@ class _Replica(nn.Module):
         ratio = self.stats["bytes_uncompressed"] / sent if sent else 1.0
         return {**self.stats, "compression_ratio": ratio}
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict, as copies (every rank holds it whole)."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
     def close(self) -> None:
         """Nothing to release (no hooks, no threads)."""
 

@@ -18,7 +18,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lockstep import checkpoint, comm
+from lockstep import checkpoint, comm, configfile, export, jobnote, trackers
 from lockstep.lowcomm import DiLoCo, LocalSGD
 from lockstep.nonfinite import NonFiniteGradientError
 from lockstep.nonfinite import check_mode as check_nonfinite
@@ -37,6 +37,7 @@ from lockstep.precision import LossScaler, autocast, check_precision
 from lockstep.replica import DataParallel
 from lockstep.runlog import RunLog, plot_run
 from lockstep.sampler import ShardedSampler
+from lockstep.seeding import seed_everything
 from lockstep.sharded import shard
 from lockstep.world import World, init
 
@@ -75,6 +76,8 @@ class TrainConfig:
     all ranks). Weights, gradients and optimizer state stay fp32 in every case."""
     eval_every_epochs: int = 1
     """Evaluate on the test set every this many epochs (and always at the end)."""
+    eval_every_steps: int | None = None
+    """Also evaluate every this many steps (for runs shorter than an epoch)."""
     eval_batch_size: int = 256
     """Per-rank batch for evaluation."""
     checkpoint_every_steps: int | None = None
@@ -87,11 +90,15 @@ class TrainConfig:
     run_dir: str = "runs/lockstep"
     """Where checkpoints, metrics.jsonl, TensorBoard events and the plot go."""
     seed: int = 0
-    """Seeds data order and each rank's RNG."""
+    """Seeds data order and each rank's RNG, and the model's initial weights when the
+    Trainer is given a function that builds the model (see `Trainer`)."""
     log_every_steps: int = 10
     """Average the loss over ranks and record metrics every this many steps."""
     progress: bool = True
     """Show a progress bar on rank 0."""
+    trackers: tuple[str, ...] = ("tensorboard",)
+    """Where metrics and this config go besides metrics.jsonl and config.json:
+    "tensorboard", "mlflow", "wandb" (offline by default; see trackers.py)."""
     bucket_mb: float | None = None
     """DataParallel's gradient bucket cap (None: its default for the algorithm)."""
     find_unused: bool = False
@@ -132,6 +139,7 @@ class TrainConfig:
             raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
         check_precision(self.precision)
         check_nonfinite(self.nonfinite)
+        trackers.check(self.trackers)
         if self.mode not in ("sync", "local_sgd", "diloco", "async"):
             raise ValueError(f"mode must be 'sync', 'local_sgd', 'diloco' or 'async', not "
                              f"{self.mode!r}")
@@ -189,9 +197,13 @@ def flat_cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Te
 
 
 class Trainer:
-    """Data-parallel training loop with exact resume. Call `fit()` on every rank."""
+    """Data-parallel training loop with exact resume. Call `fit()` on every rank.
 
-    def __init__(self, model: nn.Module,
+    `model` is a module, or a function that builds one (`small_cnn`, `lambda: Net(...)`):
+    the Trainer then calls it after `seed_everything(config.seed)`, so the seed decides the
+    initial weights too and a run is reproducible end to end."""
+
+    def __init__(self, model: nn.Module | Callable[[], nn.Module],
                  optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                  train_set: Dataset[Any], eval_set: Dataset[Any] | None = None,
                  loss_fn: LossFn = flat_cross_entropy, config: TrainConfig | None = None,
@@ -211,6 +223,9 @@ class Trainer:
         if self.steps_per_epoch == 0:
             raise ValueError(f"the training set ({len(train_set)} samples) is smaller than one "  # type: ignore[arg-type]
                              f"global batch ({self.config.global_batch_size})")
+        if not isinstance(model, nn.Module):
+            seed_everything(self.config.seed)
+            model = model()
         self.model = self._wrap(model)
         self.optimizer = self.model.make_optimizer(optimizer) \
             if isinstance(self.model, DataParallel) else optimizer(self.model.parameters())
@@ -268,7 +283,8 @@ class Trainer:
             return self._fit_async()
         self._start()
         runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
-                        self.state.global_step, self.config.progress)
+                        self.state.global_step, self.config.progress, self._config_record(),
+                        self.config.trackers)
         samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
         try:
             while self.state.global_step < self.total_steps:
@@ -306,6 +322,7 @@ class Trainer:
             trained += self.plan.global_batch
             self.state.global_step += 1
             self.state.step_in_epoch += 1
+            runlog.progress(1)  # every step, so the bar ends at 100% whatever log_every says
             if self.state.step_in_epoch == self.steps_per_epoch:  # roll over before saving,
                 self.state.epoch += 1                               # so a checkpoint points
                 self.state.step_in_epoch, epoch_done = 0, True      # at the next sample
@@ -315,6 +332,8 @@ class Trainer:
                                  window_start)
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
                 window_kept = 0
+            if self._mid_epoch_eval_due(epoch_done):
+                self._evaluate_and_record(runlog)
             for callback in self.callbacks:
                 callback(self)
             if self._checkpoint_due(epoch_done):
@@ -390,10 +409,10 @@ class Trainer:
                       lr=float(lr), epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
                       compression=wire["compression_ratio"], **extra)
         shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
-                 "sent": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
+                 "sent/step": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
         if wire["compression_ratio"] > 1.0:
             shown["compression"] = f"{wire['compression_ratio']:.1f}x"
-        runlog.progress(steps, **shown)
+        runlog.progress(0, **shown)
 
     # ---- asynchronous: a parameter server on rank 0 -------------------------------------
 
@@ -402,7 +421,8 @@ class Trainer:
         for each other (up to max_staleness); then everyone evaluates the final model."""
         c, world, module = self.config, self.world, self.model.module
         prefix = session_prefix()
-        runlog = RunLog(self.run_dir, world.rank == 1, self.total_steps, 0, c.progress)
+        runlog = RunLog(self.run_dir, world.rank == 1, self.total_steps, 0, c.progress,
+                        self._config_record(), c.trackers)
         started = time.perf_counter()
         try:
             if world.rank == 0:
@@ -512,6 +532,12 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
 
+    def _mid_epoch_eval_due(self, epoch_done: bool) -> bool:
+        """eval_every_steps says so, and neither the epoch's end nor the run's will."""
+        every, step = self.config.eval_every_steps, self.state.global_step
+        return every is not None and step % every == 0 and step < self.total_steps and not (
+            epoch_done and self.state.epoch % self.config.eval_every_epochs == 0)
+
     def _checkpoint_due(self, epoch_done: bool) -> bool:
         if not self._in_sync():  # replicas differ mid-round: wait for its end
             return False
@@ -536,11 +562,7 @@ class Trainer:
             else {}
 
     def _config_record(self) -> dict[str, Any]:
-        """The config as JSON: plain values as they are, objects (a compressor) by repr.
-        (dataclasses.asdict would deep-copy a compressor, thread and all.)"""
-        plain = (int, float, str, bool, type(None))
-        return {f.name: value if isinstance(value := getattr(self.config, f.name), plain)
-                else repr(value) for f in fields(self.config)}
+        return configfile.as_record(self.config)
 
     def save_checkpoint(self) -> Path:
         started = time.perf_counter()
@@ -555,7 +577,15 @@ class Trainer:
                                  self._checkpointed(), self.optimizer, state,
                                  self.config.keep_checkpoints, self._extra_tensors())
         self._checkpoint_seconds += time.perf_counter() - started
+        if self.world.is_main:
+            jobnote.checkpoint_written(folder, self.config.resume == "auto")  # for Ctrl-C
         return folder
+
+    def export(self, path: str | Path) -> Path | None:
+        """Write the model's weights alone (no optimizer) for inference: a plain state dict
+        (.pt) or safetensors (.safetensors). Call on every rank (ZeRO-3 gathers); rank 0
+        writes and gets the path, the others None. Load with `lockstep.load_weights`."""
+        return export.export_weights(self.model, path)
 
     def _start(self) -> None:
         """Seed a fresh run, or restore one from its checkpoint."""
@@ -572,7 +602,10 @@ class Trainer:
             self.scheduler.load_state_dict(saved["scheduler"])
         if self.scaler is not None and saved.get("scaler") is not None:
             self.scaler.load_state_dict(saved["scaler"])
-        if self.world.is_main:
+        if self.world.is_main and self.state.global_step >= self.total_steps:
+            print(f"run already complete at step {self.state.global_step} ({folder}); "
+                  "nothing to train. To train again, use a new run_dir.", flush=True)
+        elif self.world.is_main:
             print(f"resumed from {folder} at step {self.state.global_step} (epoch "
                   f"{self.state.epoch}, sample {saved['sampler']['position']} of it), "
                   f"written by {saved['world_size']} rank(s)", flush=True)

@@ -94,6 +94,36 @@ def test_sigterm_tears_the_cluster_down(tmp_path: Path) -> None:
     assert not made & namespaces()
 
 
+@needs_namespaces
+def test_cluster_streams_each_hosts_output_live_prefixed_by_host(tmp_path: Path) -> None:
+    # Each host says hello on stdout and stderr, then waits for a file the test writes only
+    # after it has read both hellos: output that came only at the end would never arrive.
+    go = tmp_path / "go"
+    talk = ("import sys, time, pathlib\n"
+            "print('hello from', sys.argv[1]); print('err from', sys.argv[1], file=sys.stderr)\n"
+            "while not pathlib.Path(sys.argv[2]).exists(): time.sleep(0.05)\n"
+            "print('bye from', sys.argv[1])\n")
+    proc = subprocess.Popen([str(BIN / "lockstep"), "cluster", "--hosts", "2", "--bandwidth",
+                             "none", "--", sys.executable, "-c", talk, "{host}", str(go)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen: list[str] = []
+        assert proc.stdout is not None
+        while not {"[host 0] hello from 0", "[host 1] hello from 1", "[host 0] err from 0",
+                   "[host 1] err from 1"} <= set(seen):
+            line = proc.stdout.readline()
+            assert line, f"the cluster ended before both hosts spoke: {seen}"
+            seen.append(line.rstrip("\n"))
+        assert proc.poll() is None  # read while the hosts were still running
+        go.write_text("")
+        rest, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0
+    assert {"[host 0] bye from 0", "[host 1] bye from 1"} <= set(rest.splitlines())
+
+
 def reference_weights() -> dict[str, torch.Tensor]:
     net = multihost_job.model()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)

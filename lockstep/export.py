@@ -1,0 +1,51 @@
+"""The trained weights alone, for inference: no optimizer, no wrapper, no lockstep needed.
+
+    lockstep.export_weights(trainer.model, "model.safetensors")   # or "model.pt"
+    net = lockstep.load_weights(small_cnn(), "model.safetensors")  # a plain nn.Module
+
+".safetensors" files need the `safetensors` package (pip install safetensors); any other
+name is a plain state dict of tensors that `torch.load(path, weights_only=True)` reads.
+Nothing is unpickled but tensors, so a weights file from elsewhere runs no code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def export_weights(model: Any, path: str | Path) -> Path | None:
+    """Save `model`'s weights and buffers (a DataParallel or a sharded one, LocalSGD, DiLoCo
+    or a plain module). Call on every rank of a job: a ZeRO-3 model gathers its shards
+    (`full_state_dict`, a collective). Rank 0 writes and returns the path, the others None."""
+    path = Path(path)
+    whole = model.full_state_dict() if hasattr(model, "full_state_dict") else \
+        {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = {k: v.cpu().contiguous() for k, v in whole.items()}
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    else:
+        torch.save(state, path)
+    return path
+
+
+def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
+    """Load a file from `export_weights` into a plain (unwrapped) module; returns it."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(path))
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    module.load_state_dict(state)
+    return module
