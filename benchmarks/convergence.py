@@ -30,37 +30,41 @@ from typing import Any
 import torch
 
 import lockstep
-from lockstep import data
+from lockstep import configfile, data
 from lockstep.launch import LaunchSpec, run
 from lockstep.models import CharGPT, small_cnn
+
+
+def _compressed(kind: Any, **options: Any) -> dict[str, Any]:
+    """A variant whose compressor is made for the recipe's warm-up (sent whole until then)."""
+    return {"parallel": {"compress": lambda warmup: kind(**options, warmup_steps=warmup)}}
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"precision": "bf16"},
     "fp16": {"precision": "fp16"},
     # Compressors send whole through the learning-rate warm-up (their argument).
-    "PowerSGD-4": {"compress": lambda warmup: lockstep.PowerSGD(rank=4, warmup_steps=warmup)},
-    "PowerSGD-8": {"compress": lambda warmup: lockstep.PowerSGD(rank=8, warmup_steps=warmup)},
-    "PowerSGD-16": {"compress": lambda warmup: lockstep.PowerSGD(rank=16, warmup_steps=warmup)},
-    "PowerSGD-12": {"compress": lambda warmup: lockstep.PowerSGD(rank=12, warmup_steps=warmup)},
+    "PowerSGD-4": _compressed(lockstep.PowerSGD, rank=4),
+    "PowerSGD-8": _compressed(lockstep.PowerSGD, rank=8),
+    "PowerSGD-16": _compressed(lockstep.PowerSGD, rank=16),
+    "PowerSGD-12": _compressed(lockstep.PowerSGD, rank=12),
     # Factors in bf16: half the bytes of the same rank.
-    "PowerSGD-8-bf16": {"compress": lambda warmup: lockstep.PowerSGD(
-        rank=8, warmup_steps=warmup, wire_dtype="bf16")},
-    "PowerSGD-12-bf16": {"compress": lambda warmup: lockstep.PowerSGD(
-        rank=12, warmup_steps=warmup, wire_dtype="bf16")},
+    "PowerSGD-8-bf16": _compressed(lockstep.PowerSGD, rank=8, wire_dtype="bf16"),
+    "PowerSGD-12-bf16": _compressed(lockstep.PowerSGD, rank=12, wire_dtype="bf16"),
     # Rank 4 only where it shrinks a matrix 16x or more: the char-GPT's embeddings (its
     # output layer, tied, and the positions; 12-14x at rank 4) travel whole.
-    "PowerSGD-4-min16": {"compress": lambda warmup: lockstep.PowerSGD(
-        rank=4, warmup_steps=warmup, min_compression=16.0)},
-    "TopK-1%": {"compress": lambda warmup: lockstep.TopK(0.01, warmup_steps=warmup)},
-    "TopK-10%": {"compress": lambda warmup: lockstep.TopK(0.1, warmup_steps=warmup)},
-    "LocalSGD-10": {"mode": "local_sgd", "sync_every": 10},
-    "DiLoCo-50": {"mode": "diloco", "sync_every": 50},
-    "DiLoCo-10": {"mode": "diloco", "sync_every": 10},
+    "PowerSGD-4-min16": _compressed(lockstep.PowerSGD, rank=4, min_compression=16.0),
+    "TopK-1%": _compressed(lockstep.TopK, ratio=0.01),
+    "TopK-10%": _compressed(lockstep.TopK, ratio=0.1),
+    "LocalSGD-10": {"parallel": {"mode": "local_sgd", "sync_every": 10}},
+    "DiLoCo-50": {"parallel": {"mode": "diloco", "sync_every": 50}},
+    "DiLoCo-10": {"parallel": {"mode": "diloco", "sync_every": 10}},
     # Outer lr 1 without momentum: plain averaging of the inner runs (local SGD with Adam).
-    "DiLoCo-50-avg": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.0},
-    "DiLoCo-50-m.5": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0, "outer_momentum": 0.5},
-    "async-4": {"mode": "async", "max_staleness": 4},
+    "DiLoCo-50-avg": {"parallel": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0,
+                                   "outer_momentum": 0.0}},
+    "DiLoCo-50-m.5": {"parallel": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0,
+                                   "outer_momentum": 0.5}},
+    "async-4": {"parallel": {"mode": "async", "max_staleness": 4}},
 }
 RANKS = {"async-4": 3}  # a parameter server and 2 workers
 TASKS = {
@@ -89,16 +93,23 @@ def worker(task: str, variant: str, out: Path, asked: dict[str, Any]) -> None:
     recipe: dict[str, Any] = dict(TASKS[task]["config"], seed=asked["seed"])  # data order
     if asked["chargpt_steps"]:
         recipe["max_steps"] = asked["chargpt_steps"]  # the cosine decay stretches with it
-    overrides = {k: (v(recipe["warmup_steps"]) if callable(v) else v)
-                 for k, v in VARIANTS[variant].items()}
-    config = lockstep.TrainConfig(**recipe, run_dir=str(out.parent / variant),
-                                  resume="never", progress=False, log_every_steps=10,
-                                  **overrides)
-    summary = lockstep.Trainer(model, optimizer, train, test, config=config).fit()
+    config = configfile.apply(lockstep.TrainConfig(
+        **recipe, run_dir=str(out.parent / variant), progress=False, log_every_steps=10,
+        checkpoint=lockstep.CheckpointConfig(resume="never")),
+        _resolved(VARIANTS[variant], recipe["warmup_steps"]), variant)
+    entry = lockstep.AsyncTrainer if isinstance(config.parallel, lockstep.AsyncConfig) \
+        else lockstep.Trainer
+    summary = entry(model, optimizer, train, test, config=config).fit()
     if world.is_main:
         summary.pop("server", None)
         out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant),
                                    "asked": asked}))
+
+
+def _resolved(overrides: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """A variant's settings, with a compressor made for the recipe's warm-up."""
+    return {k: _resolved(v, warmup) if isinstance(v, dict) else v(warmup) if callable(v)
+            else v for k, v in overrides.items()}
 
 
 def _bytes(run_dir: Path) -> float:

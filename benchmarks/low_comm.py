@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep import configfile
 from lockstep.bench import run_on_cluster
 from lockstep.cluster import cluster_available
 from lockstep.data import mnist
@@ -48,10 +49,10 @@ GLOBAL_BATCH = 48  # splits over the 4 synchronous ranks and the 3 asynchronous 
 
 MODES: dict[str, dict[str, Any]] = {
     "sync fp32": {},
-    "sync + PowerSGD-4": {"compress": "powersgd"},
-    "local SGD (H=10)": {"mode": "local_sgd", "sync_every": 10},
-    "DiLoCo (H=50)": {"mode": "diloco", "sync_every": 50},
-    "async (bound 4)": {"mode": "async", "max_staleness": 4},
+    "sync + PowerSGD-4": {"parallel": {"compress": "powersgd"}},
+    "local SGD (H=10)": {"parallel": {"mode": "local_sgd", "sync_every": 10}},
+    "DiLoCo (H=50)": {"parallel": {"mode": "diloco", "sync_every": 50}},
+    "async (bound 4)": {"parallel": {"mode": "async", "max_staleness": 4}},
 }
 
 
@@ -65,15 +66,17 @@ def build(model: str) -> nn.Module:
 def worker(mode: str, model: str, epochs: int, out: Path) -> None:
     world = lockstep.init()
     train, test = mnist()
-    settings = dict(MODES[mode])
-    if settings.get("compress") == "powersgd":
-        settings["compress"] = lockstep.PowerSGD(rank=4, warmup_steps=10)
+    settings = {k: dict(v) for k, v in MODES[mode].items()}
+    if settings.get("parallel", {}).get("compress") == "powersgd":
+        settings["parallel"]["compress"] = lockstep.PowerSGD(rank=4, warmup_steps=10)
     torch.manual_seed(0)
-    config = lockstep.TrainConfig(global_batch_size=GLOBAL_BATCH, epochs=epochs, lr=1e-3,
-                                  run_dir=str(out.parent / out.stem), resume="never",
-                                  progress=False, log_every_steps=5, **settings)
-    trainer = lockstep.Trainer(build(model), lambda p: torch.optim.Adam(p), train, test,
-                               config=config)
+    config = configfile.apply(lockstep.TrainConfig(
+        global_batch_size=GLOBAL_BATCH, epochs=epochs, lr=1e-3,
+        run_dir=str(out.parent / out.stem), progress=False, log_every_steps=5,
+        checkpoint=lockstep.CheckpointConfig(resume="never")), settings, mode)
+    entry = lockstep.AsyncTrainer if isinstance(config.parallel, lockstep.AsyncConfig) \
+        else lockstep.Trainer
+    trainer = entry(build(model), lambda p: torch.optim.Adam(p), train, test, config=config)
     started = time.time()
     summary = trainer.fit()
     if world.is_main:

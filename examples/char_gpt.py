@@ -35,7 +35,8 @@ world = lockstep.init()
 train_set, test_set = kjv_chars(block_size=args.block_size)
 config = lockstep.TrainConfig(global_batch_size=args.global_batch, max_steps=args.max_steps,
                               lr=args.lr, warmup_steps=50, decay="cosine",
-                              grad_clip_norm=1.0, checkpoint_every_steps=200,
+                              grad_clip_norm=1.0,
+                              checkpoint=lockstep.CheckpointConfig(every_steps=200),
                               eval_every_steps=100, run_dir="runs/char_gpt",
                               log_every_steps=20)
 config = configfile.configure(config, args.config, args.set)  # file, then each --set

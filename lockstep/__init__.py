@@ -20,24 +20,30 @@ overrides), `trackers` (TensorBoard, MLflow, W&B), and `lockstep env` for bug re
 """
 
 from lockstep.algorithms import AllReduce
+from lockstep.async_trainer import AsyncTrainer
 from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
 from lockstep.compress import PowerSGD, TopK
 from lockstep.consistency import ModelMismatchError
 from lockstep.export import export_weights, load_weights
 from lockstep.join import JoinError
+from lockstep.lowcomm import DiLoCo, DiLoCoConfig, LocalSGD, LocalSGDConfig
 from lockstep.memory import memory_report
 from lockstep.nonfinite import NonFiniteGradientError
 from lockstep.optim import LAMB, LARS, LRSchedule
+from lockstep.paramserver import AsyncConfig
 from lockstep.precision import LossScaler
 from lockstep.reducer import UnusedParameterError, naive_average_gradients
 from lockstep.reduction import Bucket, Reduction
 from lockstep.replica import DataParallel
+from lockstep.resume import CheckpointConfig
 from lockstep.sampler import ShardedSampler
 from lockstep.seeding import seed_everything
-from lockstep.sharded import ShardedDataParallel, shard
+from lockstep.sharded import ShardConfig, ShardedDataParallel, shard
+from lockstep.sync import SyncConfig
 from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from lockstep.trainer import TrainConfig, Trainer
+from lockstep.trainconfig import TrainConfig
+from lockstep.trainer import Trainer
 from lockstep.world import World, init
 
 __version__ = "0.1.0"
@@ -46,20 +52,29 @@ __all__ = [
     "LAMB",
     "LARS",
     "AllReduce",
+    "AsyncConfig",
+    "AsyncTrainer",
     "Bucket",
+    "CheckpointConfig",
     "CheckpointError",
     "CollectiveError",
     "DataParallel",
+    "DiLoCo",
+    "DiLoCoConfig",
     "JoinError",
     "LRSchedule",
+    "LocalSGD",
+    "LocalSGDConfig",
     "LossScaler",
     "ModelMismatchError",
     "NonFiniteGradientError",
     "PowerSGD",
     "Reduction",
+    "ShardConfig",
     "ShardedDataParallel",
     "ShardedSampler",
     "SyncBatchNorm",
+    "SyncConfig",
     "TopK",
     "TrainConfig",
     "Trainer",

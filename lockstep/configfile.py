@@ -7,11 +7,14 @@
 
     python train.py --config run.toml --set trainer.lr=0.05 --set trainer.epochs=3
 
-A file holds TrainConfig's fields at its top level or under a `[trainer]` table; a run's own
+A file holds TrainConfig's fields at its top level or under a `[trainer]` table, nested
+configs as tables of their own (`[trainer.parallel]` with `mode = "diloco"`); a run's own
 `config.json` (written into every run folder) is such a file, so a run can be repeated with
-`--config runs/x/config.json`. Later sources win: the code's defaults, then the file, then
-each `--set` in order. Every name and every value's type is checked against the dataclass,
-so a typo is an error naming the field, not a silently ignored setting.
+`--config runs/x/config.json`. On the command line a nested field is dotted: `--set
+trainer.parallel.sync_every=20`, `--set trainer.checkpoint.resume=never`. Later sources
+win: the code's defaults, then the file, then each `--set` in order. Every name and every
+value's type is checked against the dataclass, so a typo is an error naming the field, not
+a silently ignored setting.
 """
 
 from __future__ import annotations
@@ -102,11 +105,15 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 def as_record(config: Any) -> dict[str, Any]:
     """A config dataclass as JSON that `configure` reads back: plain values as they are,
-    lists of them as lists, other objects (a compressor) by repr. (dataclasses.asdict would
-    deep-copy a compressor, thread and all.)"""
+    lists of them as lists, a nested config as a table (with its `mode`, for the parallel
+    one), other objects (a compressor) by repr. (dataclasses.asdict would deep-copy a
+    compressor, thread and all.)"""
     plain = (int, float, str, bool, type(None))
 
     def record(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            mode = getattr(type(value), "mode", None)
+            return {**({"mode": mode} if mode else {}), **as_record(value)}
         if isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value):
             return list(value)
         return value if isinstance(value, plain) else repr(value)
@@ -115,16 +122,57 @@ def as_record(config: Any) -> dict[str, Any]:
 
 
 def apply(config: C, values: dict[str, Any], source: str) -> C:
-    """`config` with `values` replacing its fields; names and types checked."""
+    """`config` with `values` replacing its fields; names and types checked. A nested
+    config takes a table (`parallel = {mode = "diloco", sync_every = 20}`) or dotted names
+    (`parallel.sync_every=20`)."""
     assert dataclasses.is_dataclass(config) and not isinstance(config, type)
     hints = typing.get_type_hints(type(config))
     names = {f.name for f in dataclasses.fields(config)}
-    changes = {}
-    for name, value in values.items():
+    changes: dict[str, Any] = {}
+    for name, value in _undotted(values).items():
         if name not in names:
             raise ConfigError(f"{source}: {type(config).__name__} has no field {name!r}")
-        changes[name] = _coerce(value, hints[name], f"{source}: {name}")
+        options = _config_classes(hints[name])
+        if options and isinstance(value, dict):
+            changes[name] = _nested(getattr(config, name), value, options, f"{source}: {name}")
+        else:
+            changes[name] = _coerce(value, hints[name], f"{source}: {name}")
     return dataclasses.replace(config, **changes)
+
+
+def _undotted(values: dict[str, Any]) -> dict[str, Any]:
+    """{"parallel.sync_every": 5} -> {"parallel": {"sync_every": 5}}, merging siblings."""
+    tables: dict[str, Any] = {}
+    for name, value in values.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            table = tables.setdefault(head, {})
+            if not isinstance(table, dict):
+                raise ConfigError(f"{name}: {head} is set whole and by field at once")
+            table[rest] = value
+        else:
+            tables[head] = value
+    return tables
+
+
+def _config_classes(hint: Any) -> list[type]:
+    """The config dataclasses a field may hold (one, or the members of a union)."""
+    members = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union,
+                                                                   types.UnionType) else (hint,)
+    return [m for m in members if isinstance(m, type) and dataclasses.is_dataclass(m)]
+
+
+def _nested(current: Any, values: dict[str, Any], options: list[type], where: str) -> Any:
+    """A nested config: the current one with `values` applied, or -- when `values` names
+    another `mode` -- that mode's config, from its defaults."""
+    values = dict(values)
+    mode = values.pop("mode", getattr(type(current), "mode", None))
+    chosen = next((c for c in options if getattr(c, "mode", None) == mode), None)
+    if chosen is None:
+        modes = ", ".join(str(getattr(c, "mode", c.__name__)) for c in options)
+        raise ConfigError(f"{where}: mode must be one of {modes}, not {mode!r}")
+    base = current if type(current) is chosen else chosen()
+    return apply(base, values, where)
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:

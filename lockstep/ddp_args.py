@@ -92,3 +92,16 @@ def _index(device: Any) -> int | None:
     if isinstance(device, int):
         return device
     return torch.device(device).index
+
+
+def pick(name: str, value: Any, ddp_name: str, ddp_value: Any, default: Any) -> Any:
+    if value is not None and ddp_value is not None:
+        raise TypeError(f"DataParallel got both {name}= and DDP's {ddp_name}=; pass one")
+    return value if value is not None else ddp_value if ddp_value is not None else default
+
+
+def check_trainable(module: nn.Module) -> None:
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError("DataParallel: the module has no parameter that requires a gradient, "
+                         "so there is nothing to average across ranks (as DDP, this is "
+                         "refused); run it without a wrapper")

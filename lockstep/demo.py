@@ -88,7 +88,8 @@ def worker(args: argparse.Namespace) -> None:
     config = lockstep.TrainConfig(global_batch_size=args.global_batch, epochs=args.epochs,
                                   lr=args.lr, warmup_steps=20, decay="cosine",
                                   run_dir=str(run_dir),
-                                  resume="never", log_every_steps=5,
+                                  checkpoint=lockstep.CheckpointConfig(resume="never"),
+                                  log_every_steps=5,
                                   progress=True)
     torch.manual_seed(0)
     trainer = lockstep.Trainer(small_cnn(), lambda p: torch.optim.Adam(p), train_set,

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -100,6 +101,16 @@ class _Replica(nn.Module):
         ratio = self.stats["bytes_uncompressed"] / sent if sent else 1.0
         return {**self.stats, "compression_ratio": ratio}
 
+    def make_optimizer(self, optimizer: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        """`optimizer` (a torch.optim class, or a function of the parameters) over the
+        replica's parameters: each rank steps its own copy."""
+        return optimizer(self.module.parameters(), **kwargs)
+
+    def checkpoint_model(self) -> nn.Module:
+        """What a checkpoint saves of the model: the plain module (checkpoints are written
+        at the end of a round, when every replica holds the same)."""
+        return self.module
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict, as copies (every rank holds it whole)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
@@ -171,3 +182,45 @@ class DiLoCo(_Replica):
                 state["momentum_buffer"] = torch.zeros_like(t)
             tensors[f"diloco.momentum.{i}"] = state["momentum_buffer"]
         return tensors
+
+
+@dataclass
+class LocalSGDConfig:
+    """Local SGD as a training mode: parameters averaged every `sync_every` steps."""
+
+    mode: ClassVar[str] = "local_sgd"
+    sync_every: int = 50
+    """Local optimizer steps per round."""
+
+    def validate(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1 step, got {self.sync_every}")
+
+    def build(self, module: nn.Module) -> LocalSGD:
+        return LocalSGD(module, self.sync_every)
+
+
+@dataclass
+class DiLoCoConfig:
+    """DiLoCo as a training mode: an outer Nesterov step every `sync_every` inner steps."""
+
+    mode: ClassVar[str] = "diloco"
+    sync_every: int = 50
+    """Inner steps per round (H)."""
+    outer_lr: float = 0.7
+    """The outer learning rate."""
+    outer_momentum: float = 0.9
+    """The outer Nesterov momentum (0: plain SGD)."""
+    pseudo_grad_bf16: bool = False
+    """Send pseudo-gradients in bf16 (half the bytes)."""
+
+    def validate(self) -> None:
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1 step, got {self.sync_every}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"DiLoCo needs outer_lr > 0 and 0 <= outer_momentum < 1; got "
+                             f"{self.outer_lr} and {self.outer_momentum}")
+
+    def build(self, module: nn.Module) -> DiLoCo:
+        return DiLoCo(module, self.sync_every, self.outer_lr, self.outer_momentum,
+                      bf16=self.pseudo_grad_bf16)

@@ -30,6 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -266,3 +267,20 @@ class Worker:
         except Exception as error:
             raise RuntimeError(f"rank {self.rank}: waited {self.timeout_s:.0f}s for {what}: "
                                f"{error}") from error
+
+
+@dataclass
+class AsyncConfig:
+    """Asynchronous training (lockstep.AsyncTrainer): rank 0 serves the parameters, the
+    other ranks push gradients without waiting for each other."""
+
+    mode: ClassVar[str] = "async"
+    max_staleness: int = 4
+    """How many steps a worker may run ahead of the slowest live one (0: synchronous)."""
+    dead_after_s: float = 60.0
+    """A worker silent this long while others progress no longer holds them back."""
+
+    def validate(self) -> None:
+        if self.max_staleness < 0 or self.dead_after_s <= 0:
+            raise ValueError("max_staleness must be >= 0 and dead_after_s > 0; got "
+                             f"{self.max_staleness} and {self.dead_after_s}")

@@ -26,7 +26,7 @@ from lockstep import comm
 from lockstep.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.choices import make_reduction
 from lockstep.consistency import ModelMismatchError, verify_replicas_match
-from lockstep.ddp_args import read_ddp_arguments
+from lockstep.ddp_args import check_trainable, pick, read_ddp_arguments
 from lockstep.diagnostics import reporter
 from lockstep.join import Join, JoinError, JoinHook
 from lockstep.logs import get_logger
@@ -86,13 +86,13 @@ class DataParallel(nn.Module):
                  nonfinite: str = "error", **ddp_kwargs: Any) -> None:
         super().__init__()
         ddp = read_ddp_arguments(module, ddp_kwargs)
-        bucket_mb = _pick("bucket_mb", bucket_mb, "bucket_cap_mb", ddp.bucket_mb,
+        bucket_mb = pick("bucket_mb", bucket_mb, "bucket_cap_mb", ddp.bucket_mb,
                           default_bucket_mb(algorithm))
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be a positive number of MiB, got {bucket_mb!r} "
                              "(DDP's device_ids goes by keyword: device_ids=[...])")
         check_mode(nonfinite)
-        _check_trainable(module)
+        check_trainable(module)
         self.world = current()
         self.module = module
         self.group = ddp.group if group is None else group
@@ -105,7 +105,7 @@ class DataParallel(nn.Module):
             comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                    "broadcast of rank 0's parameters and buffers", self.group)
         self._bucket_bytes = (int(bucket_mb * MB), int(first_bucket_mb * MB))
-        self._find_unused = bool(_pick("find_unused", find_unused or None,
+        self._find_unused = bool(pick("find_unused", find_unused or None,
                                        "find_unused_parameters", ddp.find_unused, False))
         self._nonfinite = nonfinite
         self._owned = _Owned()
@@ -264,6 +264,25 @@ class DataParallel(nn.Module):
                    sync_final_model: bool) -> JoinHook:
         return _ReplicaJoinHook(self, optimizers, sync_final_model)
 
+    # ---- what the training loop asks of every parallel model (trainer.Replica) ----------
+
+    def after_step(self) -> None:
+        """Nothing to do after an optimizer step: gradients were averaged in backward."""
+
+    def in_sync(self) -> bool:
+        return True  # every replica took the same step
+
+    def finish(self) -> None:
+        """Nothing to close at the end of training."""
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing besides the model and the optimizer
+
+    def checkpoint_model(self) -> nn.Module:
+        """What a checkpoint saves: this wrapper, in a layout any ZeRO stage and world size
+        can load (reshard.py)."""
+        return self
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict with every tensor whole, as copies -- what
         `model.module.state_dict()` gives. (A sharded model gathers them: a collective.)"""
@@ -364,19 +383,6 @@ def _owner_of(param: torch.Tensor) -> DataParallel | None:
     ref = _OWNERS.get(param)
     wrapper = ref() if ref is not None else None
     return wrapper if wrapper is not None and wrapper._release.alive else None
-
-
-def _pick(name: str, value: Any, ddp_name: str, ddp_value: Any, default: Any) -> Any:
-    if value is not None and ddp_value is not None:
-        raise TypeError(f"DataParallel got both {name}= and DDP's {ddp_name}=; pass one")
-    return value if value is not None else ddp_value if ddp_value is not None else default
-
-
-def _check_trainable(module: nn.Module) -> None:
-    if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError("DataParallel: the module has no parameter that requires a gradient, "
-                         "so there is nothing to average across ranks (as DDP, this is "
-                         "refused); run it without a wrapper")
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

@@ -13,7 +13,8 @@ report. DataParallel itself knows nothing of any of this.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from lockstep import comm
 from lockstep.gather import Gatherer, guard_orphans
 from lockstep.join import JoinError, JoinHook
 from lockstep.memory import state_bytes, tensor_bytes
+from lockstep.nonfinite import check_mode
 from lockstep.reduction import Reduction
 from lockstep.replica import DataParallel
 from lockstep.zero import (
@@ -132,6 +134,30 @@ class _Orphaning:
         if self.gatherer.managing:
             self.gatherer.remove_hooks()
             guard_orphans(self.gatherer.owners, self.gatherer.groups)
+
+
+@dataclass
+class ShardConfig:
+    """ZeRO as a training mode: gradients averaged every step, model state sharded."""
+
+    mode: ClassVar[str] = "shard"
+    stage: int = 3
+    """1 (optimizer state sharded), 2 (and gradients) or 3 (and parameters)."""
+    bucket_mb: float | None = None
+    """The gradient bucket cap at stages 1-2 (None: DataParallel's default)."""
+    find_unused: bool = False
+    """Allow parameters that get no gradient on some steps."""
+    nonfinite: str = "error"
+    """What a NaN or inf in some rank's gradient does (see SyncConfig)."""
+
+    def validate(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
+        check_mode(self.nonfinite)
+
+    def build(self, module: nn.Module) -> ShardedDataParallel:
+        return shard(module, self.stage, bucket_mb=self.bucket_mb,
+                     find_unused=self.find_unused, nonfinite=self.nonfinite)
 
 
 def shard(module: nn.Module, stage: int = 3, **kwargs: Any) -> ShardedDataParallel:

@@ -160,7 +160,7 @@ done
 
 echo "== Ctrl-C during the char-GPT, then the same command again" >&3
 CMD=(lockstep run -n 2 examples/char_gpt.py --max-steps 100 --out "$W/runs/ctrlc"
-     --set trainer.checkpoint_every_steps=20)
+     --set trainer.checkpoint.every_steps=20)
 setsid "${CMD[@]}" >"$(log ctrlc.out)" 2>&1 &
 job=$!
 for _ in $(seq 600); do

@@ -53,7 +53,8 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(64, 10))
     config = lockstep.TrainConfig(global_batch_size=48, max_batch_per_rank=8, epochs=2,
-                                  lr=0.05, checkpoint_every_steps=4, run_dir=str(run_dir),
+                                  lr=0.05, checkpoint=lockstep.CheckpointConfig(every_steps=4),
+                                  run_dir=str(run_dir),
                                   progress=False, log_every_steps=4)
     trainer = lockstep.Trainer(model, lambda p: torch.optim.AdamW(p), data, config=config,
                                callbacks=[record])

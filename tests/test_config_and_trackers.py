@@ -117,3 +117,22 @@ def test_mlflow_logs_the_config_and_metrics_offline_to_a_file_store(
     assert run.data.params == {"lr": "0.1", "seed": "3", "max_steps": "None"}
     assert run.data.metrics == {"train/loss": 0.5, "eval/loss": 0.25, "eval/accuracy": 0.75}
     assert run.info.status == "FINISHED"
+
+
+def test_nested_configs_from_a_file_and_dotted_overrides(tmp_path: Path) -> None:
+    toml = tmp_path / "diloco.toml"
+    toml.write_text('[trainer]\nlr = 0.01\n[trainer.parallel]\nmode = "diloco"\n'
+                    'sync_every = 20\n[trainer.checkpoint]\nevery_steps = 100\n')
+    config = configfile.configure(lockstep.TrainConfig(), toml,
+                                  ["trainer.parallel.outer_lr=0.5", "checkpoint.resume=never"])
+    assert config.parallel == lockstep.DiLoCoConfig(sync_every=20, outer_lr=0.5)
+    assert config.checkpoint == lockstep.CheckpointConfig(every_steps=100, resume="never")
+    switched = configfile.configure(config, None, ["parallel.mode=sync",
+                                                   "parallel.algorithm=ring"])
+    assert switched.parallel == lockstep.SyncConfig(algorithm="ring")
+    with pytest.raises(configfile.ConfigError, match="mode must be one of"):
+        configfile.configure(config, None, ["parallel.mode=gossip"])
+    with pytest.raises(configfile.ConfigError, match="has no field 'sync_every'"):
+        configfile.configure(lockstep.TrainConfig(), None, ["parallel.sync_every=3"])
+    record = json.loads(json.dumps(configfile.as_record(config)))
+    assert configfile.apply(lockstep.TrainConfig(), record, "record") == config

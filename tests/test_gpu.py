@@ -96,7 +96,8 @@ def check_trainer(run_dir: str, precision: str) -> dict[str, object]:
         make_model("mlp"), lambda p: torch.optim.AdamW(p, lr=3e-3), train_set,
         test_set, config=lockstep.TrainConfig(global_batch_size=32, epochs=2, run_dir=run_dir,
                                               progress=False, precision=precision,
-                                              resume="never", grad_clip_norm=1.0))
+                                              grad_clip_norm=1.0, checkpoint=lockstep.
+                                              CheckpointConfig(resume="never")))
     summary = trainer.fit()
     device = next(trainer.model.module.parameters()).device
     return {"accuracy": summary["test_accuracy"], "device": str(device)}

@@ -25,8 +25,9 @@ JOB = textwrap.dedent("""
     import sys, time, torch, lockstep
     from torch.utils.data import TensorDataset
     x = torch.randn(960, 8)
-    config = lockstep.TrainConfig(global_batch_size=16, epochs=100, checkpoint_every_steps=5,
-                                  run_dir=sys.argv[1], log_every_steps=5)
+    config = lockstep.TrainConfig(global_batch_size=16, epochs=100, run_dir=sys.argv[1],
+                                  checkpoint=lockstep.CheckpointConfig(every_steps=5),
+                                  log_every_steps=5)
     trainer = lockstep.Trainer(lambda: torch.nn.Linear(8, 2),
                                lambda p: torch.optim.SGD(p, lr=0.01),
                                TensorDataset(x, (x.sum(1) > 0).long()), config=config,

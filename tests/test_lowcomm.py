@@ -17,12 +17,23 @@ def plain_sgd(params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)  # type: ignore[arg-type]
 
 
-def run(run_dir: str, **overrides: object) -> tuple[list[torch.Tensor], str, dict[str, float]]:
+def run(run_dir: str, parallel: object = None, resume: str = "never",
+        checkpoint_every_steps: int | None = None, **overrides: object
+        ) -> tuple[list[torch.Tensor], str, dict[str, float]]:
+    """Train with `parallel` (SyncConfig by default; AsyncTrainer for AsyncConfig)."""
     lockstep.init()
     train_set, test_set = digit_sets()
-    settings = {"resume": "never", **overrides}
-    config = lockstep.TrainConfig(global_batch_size=48, epochs=1, run_dir=run_dir,
-                                  progress=False, **settings)  # type: ignore[arg-type]
+    config = lockstep.TrainConfig(
+        global_batch_size=48, epochs=1, run_dir=run_dir, progress=False,
+        parallel=parallel or lockstep.SyncConfig(),  # type: ignore[arg-type]
+        checkpoint=lockstep.CheckpointConfig(every_steps=checkpoint_every_steps,
+                                             resume=resume), **overrides)  # type: ignore[arg-type]
+    if isinstance(parallel, lockstep.AsyncConfig):
+        asynchronous = lockstep.AsyncTrainer(make_model("mlp"), plain_sgd, train_set,
+                                             test_set, config=config)
+        asynchronous.fit()
+        module = asynchronous.module
+        return [t.clone() for t in module.state_dict().values()], digest(module), {}
     trainer = lockstep.Trainer(make_model("mlp"), plain_sgd, train_set, test_set,
                                config=config)
     trainer.fit()
@@ -37,9 +48,9 @@ def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def test_h1_limits_equal_synchronous_sgd(world: World, tmp_path: Path) -> None:
     sync = world.run(run, str(tmp_path / "sync"))
-    local = world.run(run, str(tmp_path / "local"), mode="local_sgd", sync_every=1)
-    diloco = world.run(run, str(tmp_path / "diloco"), mode="diloco", sync_every=1,
-                       outer_lr=1.0, outer_momentum=0.0)
+    local = world.run(run, str(tmp_path / "local"), lockstep.LocalSGDConfig(sync_every=1))
+    diloco = world.run(run, str(tmp_path / "diloco"), lockstep.DiLoCoConfig(
+        sync_every=1, outer_lr=1.0, outer_momentum=0.0))
     for results in (local, diloco):
         assert gap(results[0][0], sync[0][0]) < 5e-5
         assert len({r[1] for r in results}) == 1  # replicas identical
@@ -47,15 +58,15 @@ def test_h1_limits_equal_synchronous_sgd(world: World, tmp_path: Path) -> None:
 
 def test_local_rounds_send_h_times_fewer_bytes(world2: World, tmp_path: Path) -> None:
     _, _, sync = world2.run(run, str(tmp_path / "sync"))[0]
-    _, _, diloco = world2.run(run, str(tmp_path / "d"), mode="diloco", sync_every=10,
-                              pseudo_grad_bf16=True)[0]
+    _, _, diloco = world2.run(run, str(tmp_path / "d"), lockstep.DiLoCoConfig(
+        sync_every=10, pseudo_grad_bf16=True))[0]
     assert diloco["bytes_sent"] * 10 * 2 <= sync["bytes_sent"] * 1.01  # H=10, and bf16
 
 
 def test_diloco_outer_state_resumes_exactly(world2: World, tmp_path: Path) -> None:
-    whole = world2.run(run, str(tmp_path / "whole"), mode="diloco", sync_every=5)
+    diloco = lockstep.DiLoCoConfig(sync_every=5)
+    whole = world2.run(run, str(tmp_path / "whole"), diloco)
     part = str(tmp_path / "part")
-    world2.run(run, part, mode="diloco", sync_every=5, max_steps=15,
-               checkpoint_every_steps=5)
-    resumed = world2.run(run, part, mode="diloco", sync_every=5, resume="auto")
+    world2.run(run, part, diloco, max_steps=15, checkpoint_every_steps=5)
+    resumed = world2.run(run, part, diloco, resume="auto")
     assert resumed[0][1] == whole[0][1]  # bitwise: theta and outer momentum restored

@@ -26,11 +26,13 @@ def unseeded_mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 10))
 
 
-def fit(run_dir: Path, seed: int = 0, **overrides: object) -> tuple[lockstep.Trainer, dict]:
+def fit(run_dir: Path, seed: int = 0, resume: str = "auto", progress: bool = False
+        ) -> tuple[lockstep.Trainer, dict]:
     x, y = digits()
-    config = lockstep.TrainConfig(**{  # type: ignore[arg-type]
-        "global_batch_size": 48, "epochs": 2, "lr": 0.05, "run_dir": str(run_dir),
-        "seed": seed, "log_every_steps": 7, "progress": False, **overrides})
+    config = lockstep.TrainConfig(global_batch_size=48, epochs=2, lr=0.05,
+                                  run_dir=str(run_dir), seed=seed, log_every_steps=7,
+                                  progress=progress,
+                                  checkpoint=lockstep.CheckpointConfig(resume=resume))
     trainer = lockstep.Trainer(unseeded_mlp, lambda p: torch.optim.SGD(p, momentum=0.9),
                                TensorDataset(x[:1440], y[:1440]),
                                TensorDataset(x[1440:], y[1440:]), config=config)
@@ -78,7 +80,11 @@ def test_a_newcomers_run_is_seeded_complete_recorded_and_exportable(world2: Worl
     assert saved["seed"] == 3 and saved["global_batch_size"] == 48
     assert saved["trackers"] == ["tensorboard"]
     again = configfile.configure(lockstep.TrainConfig(), tmp_path / "a/config.json")
-    assert again == lockstep.TrainConfig(**{**saved, "trackers": ("tensorboard",)})
+    parallel = {k: v for k, v in saved["parallel"].items() if k != "mode"}
+    assert saved["parallel"]["mode"] == "sync"
+    assert again == lockstep.TrainConfig(**{
+        **saved, "trackers": ("tensorboard",), "parallel": lockstep.SyncConfig(**parallel),
+        "checkpoint": lockstep.CheckpointConfig(**saved["checkpoint"])})
     assert (again.seed, again.epochs, again.log_every_steps) == (3, 2, 7)
     events = b"".join(p.read_bytes() for p in (tmp_path / "a/tensorboard").iterdir())
     assert b"hparams" in events and b"global_batch_size" in events

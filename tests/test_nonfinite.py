@@ -84,7 +84,7 @@ def check_trainer(run_dir: str, mode: str) -> dict[str, object]:
 
     trainer = lockstep.Trainer(make_model("mlp"), sgd, train_set, test_set, loss_fn=loss_fn,
                                config=config(run_dir, max_steps=8, checkpoint_every_steps=2,
-                                             nonfinite=mode),
+                                             parallel=lockstep.SyncConfig(nonfinite=mode)),
                                callbacks=[lambda t: seen.update(step=t.state.global_step)])
     try:
         summary = trainer.fit()

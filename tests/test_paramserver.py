@@ -18,7 +18,8 @@ from tests.test_trainer import digit_sets
 def test_staleness_0_equals_synchronous_sgd(world2: World, world3: World,
                                             tmp_path: Path) -> None:
     sync = world2.run(run, str(tmp_path / "sync"))  # 2 ranks: global batch 48 = 2 x 24
-    asynchronous = world3.run(run, str(tmp_path / "async"), mode="async", max_staleness=0)
+    asynchronous = world3.run(run, str(tmp_path / "async"),
+                              lockstep.AsyncConfig(max_staleness=0))
     for weights, _, _ in asynchronous:  # 1 server + 2 workers of 24: the same batches
         assert gap(weights, sync[0][0]) < 5e-5
     assert len({r[1] for r in asynchronous}) == 1
@@ -36,11 +37,14 @@ def train_with_straggler(mode: str, slow_rank: int | None, steps: int, run_dir: 
         time.sleep(0.3 if world.rank == slow_rank else 0.1)
         return torch.nn.functional.cross_entropy(out, y)
 
-    config = lockstep.TrainConfig(global_batch_size=24, max_steps=steps,
-                                  run_dir=run_dir,
-                                  progress=False, resume="never", mode=mode, max_staleness=4)
-    trainer = lockstep.Trainer(make_model("mlp"), lambda p: torch.optim.SGD(p, lr=0.05),
-                               train_set, config=config, loss_fn=loss_fn)
+    parallel = lockstep.AsyncConfig(max_staleness=4) if mode == "async" else \
+        lockstep.SyncConfig()
+    config = lockstep.TrainConfig(global_batch_size=24, max_steps=steps, run_dir=run_dir,
+                                  progress=False, parallel=parallel,
+                                  checkpoint=lockstep.CheckpointConfig(resume="never"))
+    entry = lockstep.AsyncTrainer if mode == "async" else lockstep.Trainer
+    trainer = entry(make_model("mlp"), lambda p: torch.optim.SGD(p, lr=0.05),
+                    train_set, config=config, loss_fn=loss_fn)
     return float(trainer.fit()["samples_per_s"])
 
 

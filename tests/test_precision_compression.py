@@ -47,7 +47,8 @@ def check_precision_training(precision: str, run_dir: str) -> float:
     lockstep.init()
     train_set, test_set = digit_sets()
     config = lockstep.TrainConfig(global_batch_size=48, epochs=3, run_dir=run_dir,
-                                  resume="never", progress=False, precision=precision)
+                                  checkpoint=lockstep.CheckpointConfig(resume="never"),
+                                  progress=False, precision=precision)
     trainer = lockstep.Trainer(make_model("mlp"), lambda p: torch.optim.Adam(p, lr=3e-3),
                                train_set, test_set, config=config)
     return float(trainer.fit()["test_accuracy"])

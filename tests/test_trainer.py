@@ -30,9 +30,13 @@ def sgd(params: object) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
 
 
-def config(run_dir: str, **overrides: object) -> lockstep.TrainConfig:
+def config(run_dir: str, resume: str = "never", checkpoint_every_steps: int | None = None,
+           **overrides: object) -> lockstep.TrainConfig:
+    """The tests' config; the checkpoint's settings by name, for brevity."""
     base = dict(global_batch_size=GLOBAL_BATCH, max_batch_per_rank=CAP, epochs=1,
-                run_dir=run_dir, progress=False, resume="never", log_every_steps=5)
+                run_dir=run_dir, progress=False, log_every_steps=5,
+                checkpoint=lockstep.CheckpointConfig(every_steps=checkpoint_every_steps,
+                                                     resume=resume))
     return lockstep.TrainConfig(**{**base, **overrides})  # type: ignore[arg-type]
 
 
