@@ -26,12 +26,12 @@ import sys
 from pathlib import Path
 
 import lockstep
-from lockstep import costmodel
-from lockstep.bench import run_on_cluster
-from lockstep.choices import make_algorithm
-from lockstep.cluster import cluster_available
-from lockstep.launch import LaunchSpec, run
-from lockstep.topology import Topology
+from lockstep.comm.topology import Topology
+from lockstep.launch.run import LaunchSpec, run
+from lockstep.replication.choices import make_algorithm
+from lockstep.tools import costmodel
+from lockstep.tools.bench import run_on_cluster
+from lockstep.tools.cluster import cluster_available
 
 KB, MB = 1024, 1024 * 1024
 SETTINGS = {

@@ -1,7 +1,7 @@
 """Gradient compression over slow links: lockstep against torch DDP's own comm hooks.
 
 On an emulated cluster of 2 hosts, one process each, at 100 Mbit/s and at 1 Gbit/s, the same
-char-GPT (lockstep.models.CharGPT) trains on the same KJV batches with:
+char-GPT (lockstep.demo.models.CharGPT) trains on the same KJV batches with:
 
     lockstep: none, bf16, fp16, PowerSGD(rank 4), PowerSGD(rank 12, bf16 factors), TopK(1%)
     torch DDP: no hook, fp16_compress_hook, bf16_compress_hook, powerSGD_hook(rank 4)
@@ -44,10 +44,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep.bench import run_on_cluster, time_modes
-from lockstep.cluster import cluster_available
-from lockstep.data import kjv_chars
-from lockstep.models import CharGPT
+from lockstep.demo.data import kjv_chars
+from lockstep.demo.models import CharGPT
+from lockstep.tools.bench import run_on_cluster, time_modes
+from lockstep.tools.cluster import cluster_available
 
 PER_RANK, WARMUP = 8, 3
 

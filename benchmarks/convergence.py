@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 import lockstep
-from lockstep import configfile, data
-from lockstep.launch import LaunchSpec, run
-from lockstep.models import CharGPT, small_cnn
+from lockstep.demo import data
+from lockstep.demo.models import CharGPT, small_cnn
+from lockstep.launch.run import LaunchSpec, run
+from lockstep.training import configfile
 
 
 def _compressed(kind: Any, **options: Any) -> dict[str, Any]:
@@ -113,7 +114,7 @@ def _resolved(overrides: dict[str, Any], warmup: int) -> dict[str, Any]:
 
 
 def _bytes(run_dir: Path) -> float:
-    from lockstep.runlog import read_metrics
+    from lockstep.training.runlog import read_metrics
 
     sent = [r["bytes_sent"] for r in read_metrics(run_dir) if r["kind"] == "train"]
     return sent[-1] if sent else 0.0

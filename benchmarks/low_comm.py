@@ -38,12 +38,12 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep import configfile
-from lockstep.bench import run_on_cluster
-from lockstep.cluster import cluster_available
-from lockstep.data import mnist
-from lockstep.models import small_cnn
-from lockstep.runlog import read_metrics
+from lockstep.demo.data import mnist
+from lockstep.demo.models import small_cnn
+from lockstep.tools.bench import run_on_cluster
+from lockstep.tools.cluster import cluster_available
+from lockstep.training import configfile
+from lockstep.training.runlog import read_metrics
 
 GLOBAL_BATCH = 48  # splits over the 4 synchronous ranks and the 3 asynchronous workers
 

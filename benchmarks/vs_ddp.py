@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep.launch import LaunchSpec, run
+from lockstep.launch.run import LaunchSpec, run
 
 
 def wide_mlp() -> nn.Module:

@@ -32,8 +32,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
-from lockstep.bench import time_modes
-from lockstep.launch import LaunchSpec, run
+from lockstep.launch.run import LaunchSpec, run
+from lockstep.tools.bench import time_modes
 
 WIDTH, LAYERS, BATCH = 1024, 8, 32
 

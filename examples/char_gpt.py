@@ -16,9 +16,9 @@ import argparse
 import torch
 
 import lockstep
-from lockstep import configfile
-from lockstep.data import kjv_chars
-from lockstep.models import CharGPT
+from lockstep.demo.data import kjv_chars
+from lockstep.demo.models import CharGPT
+from lockstep.training import configfile
 
 parser = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import lockstep
-from lockstep.data import mnist
-from lockstep.models import small_cnn
+from lockstep.demo.data import mnist
+from lockstep.demo.models import small_cnn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=3)

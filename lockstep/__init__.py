@@ -19,34 +19,103 @@ Beside the path: `Trainer`/`TrainConfig` (the loop), `seed_everything`, `export_
 overrides), `trackers` (TensorBoard, MLflow, W&B), and `lockstep env` for bug reports.
 """
 
-from lockstep.algorithms import AllReduce
-from lockstep.async_trainer import AsyncTrainer
-from lockstep.checkpoint import CheckpointError, fingerprint
-from lockstep.comm import CollectiveError
-from lockstep.compress import PowerSGD, TopK
-from lockstep.consistency import ModelMismatchError
-from lockstep.export import export_weights, load_weights
-from lockstep.join import JoinError
-from lockstep.lowcomm import DiLoCo, DiLoCoConfig, LocalSGD, LocalSGDConfig
-from lockstep.memory import memory_report
-from lockstep.nonfinite import NonFiniteGradientError
-from lockstep.optim import LAMB, LARS, LRSchedule
-from lockstep.paramserver import AsyncConfig
-from lockstep.precision import LossScaler
-from lockstep.reducer import UnusedParameterError, naive_average_gradients
-from lockstep.reduction import Bucket, Reduction
-from lockstep.replica import DataParallel
-from lockstep.resume import CheckpointConfig
-from lockstep.sampler import ShardedSampler
-from lockstep.seeding import seed_everything
-from lockstep.sharded import ShardConfig, ShardedDataParallel, shard
-from lockstep.sync import SyncConfig
-from lockstep.syncbn import SyncBatchNorm, convert_sync_batchnorm
-from lockstep.trainconfig import TrainConfig
-from lockstep.trainer import Trainer
-from lockstep.world import World, init
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
+    from lockstep.comm import CollectiveError
+    from lockstep.comm.world import World, init
+    from lockstep.lowcomm.paramserver import AsyncConfig
+    from lockstep.lowcomm.rounds import DiLoCo, DiLoCoConfig, LocalSGD, LocalSGDConfig
+    from lockstep.optim import LAMB, LARS, LRSchedule
+    from lockstep.replication.algorithms import AllReduce
+    from lockstep.replication.compress import PowerSGD, TopK
+    from lockstep.replication.consistency import ModelMismatchError
+    from lockstep.replication.join import JoinError
+    from lockstep.replication.memory import memory_report
+    from lockstep.replication.nonfinite import NonFiniteGradientError
+    from lockstep.replication.precision import LossScaler
+    from lockstep.replication.reducer import UnusedParameterError, naive_average_gradients
+    from lockstep.replication.reduction import Bucket, Reduction
+    from lockstep.replication.replica import DataParallel
+    from lockstep.replication.sync import SyncConfig
+    from lockstep.replication.syncbn import SyncBatchNorm, convert_sync_batchnorm
+    from lockstep.seeding import seed_everything
+    from lockstep.sharding.sharded import ShardConfig, ShardedDataParallel, shard
+    from lockstep.training.async_trainer import AsyncTrainer
+    from lockstep.training.checkpoint import CheckpointError, fingerprint
+    from lockstep.training.config import TrainConfig
+    from lockstep.training.export import export_weights, load_weights
+    from lockstep.training.resume import CheckpointConfig
+    from lockstep.training.sampler import ShardedSampler
+    from lockstep.training.trainer import Trainer
 
 __version__ = "0.1.0"
+
+# The public names and the module each lives in. Loaded on first use (PEP 562), so `import
+# lockstep` -- and the `lockstep` command -- costs nothing until a name is needed: asking
+# `lockstep run` about a missing script does not wait for torch to import.
+_WHERE = {
+    "AllReduce": "lockstep.replication.algorithms",
+    "AsyncConfig": "lockstep.lowcomm.paramserver",
+    "AsyncTrainer": "lockstep.training.async_trainer",
+    "Bucket": "lockstep.replication.reduction",
+    "CheckpointConfig": "lockstep.training.resume",
+    "CheckpointError": "lockstep.training.checkpoint",
+    "CollectiveError": "lockstep.comm",
+    "DataParallel": "lockstep.replication.replica",
+    "DiLoCo": "lockstep.lowcomm.rounds",
+    "DiLoCoConfig": "lockstep.lowcomm.rounds",
+    "JoinError": "lockstep.replication.join",
+    "LAMB": "lockstep.optim",
+    "LARS": "lockstep.optim",
+    "LRSchedule": "lockstep.optim",
+    "LocalSGD": "lockstep.lowcomm.rounds",
+    "LocalSGDConfig": "lockstep.lowcomm.rounds",
+    "LossScaler": "lockstep.replication.precision",
+    "ModelMismatchError": "lockstep.replication.consistency",
+    "NonFiniteGradientError": "lockstep.replication.nonfinite",
+    "PowerSGD": "lockstep.replication.compress",
+    "Reduction": "lockstep.replication.reduction",
+    "ShardConfig": "lockstep.sharding.sharded",
+    "ShardedDataParallel": "lockstep.sharding.sharded",
+    "ShardedSampler": "lockstep.training.sampler",
+    "SyncBatchNorm": "lockstep.replication.syncbn",
+    "SyncConfig": "lockstep.replication.sync",
+    "TopK": "lockstep.replication.compress",
+    "TrainConfig": "lockstep.training.config",
+    "Trainer": "lockstep.training.trainer",
+    "UnusedParameterError": "lockstep.replication.reducer",
+    "World": "lockstep.comm.world",
+    "convert_sync_batchnorm": "lockstep.replication.syncbn",
+    "export_weights": "lockstep.training.export",
+    "fingerprint": "lockstep.training.checkpoint",
+    "init": "lockstep.comm.world",
+    "load_weights": "lockstep.training.export",
+    "memory_report": "lockstep.replication.memory",
+    "naive_average_gradients": "lockstep.replication.reducer",
+    "seed_everything": "lockstep.seeding",
+    "shard": "lockstep.sharding.sharded",
+}
+_SUBPACKAGES = ("comm", "demo", "launch", "lowcomm", "replication", "sharding", "tools",
+                "training")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"lockstep.{name}")
+    raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_SUBPACKAGES])
+
 
 __all__ = [
     "LAMB",

@@ -41,3 +41,4 @@ def setup_logging(rank: int) -> None:
     default = "INFO" if rank == 0 else "WARNING"
     root.setLevel(os.environ.get("LOCKSTEP_LOG_LEVEL", default).upper())
     root.propagate = False
+

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-_PRELOAD = ["torch", "torch.distributed", "lockstep"]
+_PRELOAD = ["torch", "torch.distributed", "lockstep", "lockstep.replication.replica",
+            "lockstep.training.trainer"]
 
 
 class WorldError(RuntimeError):

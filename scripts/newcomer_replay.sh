@@ -129,8 +129,8 @@ check "finding 6: three runs of the snippet, one fingerprint: $(fp "$(log traine
          -a "$(fp "$(log trainer_a.out)")" = "$(fp "$(log trainer_b.out)")"
 cat > "$W/infer.py" <<'EOF'
 import torch, lockstep
-from lockstep.data import mnist
-from lockstep.models import small_cnn
+from lockstep.demo.data import mnist
+from lockstep.demo.models import small_cnn
 _, test_set = mnist()
 net = lockstep.load_weights(small_cnn(), "runs/mnist/model.pt").eval()  # no optimizer, no wrapper
 x, y = test_set.tensors

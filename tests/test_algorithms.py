@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.choices import ALGORITHMS, make_algorithm
+from lockstep.comm.topology import check_layout, peers_across_hosts, ranks_on_host
+from lockstep.replication.choices import ALGORITHMS, make_algorithm
 from lockstep.testing import World
-from lockstep.topology import check_layout, peers_across_hosts, ranks_on_host
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
 
 SIZES = (1, 2, 5, 1000, 65_537)  # odd sizes: chunks and slices of unequal length
@@ -145,11 +145,11 @@ class Float64Sum(lockstep.AllReduce):
 
     name = "float64"
 
-    def all_reduce(self, flat: torch.Tensor, label: str) -> lockstep.reduction.Handle:
+    def all_reduce(self, flat: torch.Tensor, label: str) -> lockstep.replication.reduction.Handle:
         wide = flat.double()
         torch.distributed.all_reduce(wide)
         flat.copy_(wide)
-        return lockstep.reduction.Done()
+        return lockstep.replication.reduction.Done()
 
 
 def check_user_reduction() -> float:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lockstep.buckets import (
+from lockstep.replication.buckets import (
     MB,
     ParamSlot,
     arrival_order,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 import lockstep
-from lockstep import checkpoint, tensorfile
 from lockstep.testing import World
+from lockstep.training import checkpoint, tensorfile
 from tests.models import make_model
 from tests.test_trainer import config, digit_sets, sgd
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import lockstep
-from lockstep import checkpoint, tensorfile
 from lockstep.testing import World
+from lockstep.training import checkpoint, tensorfile
 from tests.models import make_model
 from tests.test_trainer import sgd, train
 
@@ -171,11 +171,11 @@ def check_hostile_checkpoints(root: str, marker: str) -> list[dict[str, object]]
 def _try_to_load(root: str, newest: Path, model: torch.nn.Module,
                  opt: torch.optim.Optimizer) -> dict[str, object]:
     records = _Records()
-    logging.getLogger("lockstep.checkpoint").addHandler(records)
+    logging.getLogger("lockstep.training.checkpoint").addHandler(records)
     try:
         chosen = checkpoint.latest_valid(root)
     finally:
-        logging.getLogger("lockstep.checkpoint").removeHandler(records)
+        logging.getLogger("lockstep.training.checkpoint").removeHandler(records)
     try:
         checkpoint.load(newest, model, opt)
         explicit = "loaded"

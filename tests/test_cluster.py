@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lockstep.cluster import Cluster, cluster_available, parse_bandwidth
+from lockstep.tools.cluster import Cluster, cluster_available, parse_bandwidth
 from tests import multihost_job
 
 REASON = cluster_available()

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep import configfile, optional, trackers
-from lockstep.runlog import RunLog
+from lockstep.training import configfile, optional, trackers
+from lockstep.training.runlog import RunLog
 
 
 def test_a_toml_file_then_overrides_make_a_checked_config(tmp_path: Path) -> None:
@@ -64,7 +64,7 @@ def test_a_missing_optional_piece_is_reported_once(tmp_path: Path,
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("lockstep.optional").addHandler(handler)
+    logging.getLogger("lockstep.training.optional").addHandler(handler)
     monkeypatch.setattr(optional, "_reported", set())
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     monkeypatch.setattr(trackers, "available", lambda module: module != "tensorboard")
@@ -73,9 +73,9 @@ def test_a_missing_optional_piece_is_reported_once(tmp_path: Path,
             log = RunLog(tmp_path / f"run{attempt}", True, 10, 0, progress=False, config={})
             log.record("train", 1, loss=1.0)
             log.close()
-            assert lockstep.runlog.plot_run(tmp_path / f"run{attempt}") is None
+            assert lockstep.training.runlog.plot_run(tmp_path / f"run{attempt}") is None
     finally:
-        logging.getLogger("lockstep.optional").removeHandler(handler)
+        logging.getLogger("lockstep.training.optional").removeHandler(handler)
     assert records == [
         "skipped tensorboard logging: pip install tensorboard (or 'lockstep[plots]')",
         "skipped training.png: pip install matplotlib (or 'lockstep[plots]')"]
@@ -92,7 +92,7 @@ def test_the_png_has_four_titled_panels_and_the_config(tmp_path: Path) -> None:
                    samples_per_s=1000.0 + step)
     log.record("eval", 20, loss=0.2, accuracy=0.9)
     log.close()
-    from lockstep import plots
+    from lockstep.training import plots
 
     assert plots.config_line(tmp_path / "run") == "global_batch_size=64, lr=0.003, seed=0"
     figure = plots.plot_run(tmp_path / "run")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from lockstep import data
+from lockstep.demo import data
 
 
 def test_mnist_is_the_real_5k_digits_split_4000_1000():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep import demo
+from lockstep.demo import demo
 
 
 def test_demo_trains_at_1_and_2_workers_and_reports(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import lockstep
-from lockstep import cli
+from lockstep.launch import cli
 
 BIN = Path(sys.executable).parent
 

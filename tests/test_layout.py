@@ -27,8 +27,10 @@ def _imports(path: Path, known: set[str]) -> set[str]:
         if isinstance(node, ast.Import):
             targets.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            targets.add(node.module)
-            targets.update(f"{node.module}.{alias.name}" for alias in node.names)
+            # `from package import module` imports the module; `from module import name`,
+            # the module itself.
+            modules = {f"{node.module}.{alias.name}" for alias in node.names} & known
+            targets.update(modules or {node.module})
     return {t for t in targets if t in known}
 
 
@@ -79,3 +81,34 @@ def test_modules_and_functions_stay_small() -> None:
                 if length > MAX_FUNCTION_LINES:
                     too_long.append(f"{name}.{node.name}: {length} lines")
     assert not too_long, too_long
+
+
+# Each subpackage's place in the one direction dependencies run: communication <-
+# replication <- sharding / low-communication <- training <- launch and tools <- the public
+# package <- the demo <- the command line (which dispatches to all of them). Siblings at
+# one level stay apart; the leaf utilities (logs, lazy, optim, seeding) sit below
+# everything, the test harness on top.
+LEVELS = {"lockstep.logs": 0, "lockstep.lazy": 0, "lockstep.optim": 0, "lockstep.seeding": 0,
+          "lockstep.comm": 1, "lockstep.replication": 2, "lockstep.sharding": 3,
+          "lockstep.lowcomm": 3, "lockstep.training": 4, "lockstep.launch": 5,
+          "lockstep.tools": 5, "lockstep": 6, "lockstep.demo": 7, "lockstep.launch.cli": 8,
+          "lockstep.launch.envreport": 8, "lockstep.testing": 9}
+
+
+def _layer(module: str) -> str:
+    return max((name for name in LEVELS if module == name or module.startswith(name + ".")),
+               key=len)
+
+
+def test_dependencies_run_one_way() -> None:
+    wrong = []
+    for module, imported in _graph().items():
+        here = _layer(module)
+        for target in imported:
+            there = _layer(target)
+            lower = LEVELS[there] < LEVELS[here]
+            siblings = {here, there} <= {"lockstep.launch", "lockstep.tools"} or \
+                {here, there} <= {"lockstep.launch.cli", "lockstep.launch.envreport"}
+            if not (there == here or lower or siblings):
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert not wrong, wrong

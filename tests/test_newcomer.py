@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import lockstep
-from lockstep import configfile
 from lockstep.testing import World
+from lockstep.training import configfile
 from tests.models import digits
 
 STEPS = 60  # 2 epochs of 30 steps; logging every 7 steps leaves steps after the last log

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 import lockstep
-from lockstep import checkpoint
-from lockstep.nonfinite import NonFiniteGradientError
+from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.testing import World
+from lockstep.training import checkpoint
 from tests.models import batch, digest, make_model
 from tests.test_trainer import config, digit_sets, sgd
 

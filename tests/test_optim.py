@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lockstep.optim import LAMB, LARS, LRSchedule, goyal_schedule, linear_scaling, set_lr
-from lockstep.trainer import plan_batches
+from lockstep.training.trainer import plan_batches
 
 
 def norm(v):

@@ -66,13 +66,13 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
     silent after 3 steps; worker 1 must still train all its steps."""
     world = lockstep.init()
     model = make_model("mlp")
-    prefix = lockstep.paramserver.session_prefix()
+    prefix = lockstep.lowcomm.paramserver.session_prefix()
     if world.rank == 0:
-        server = lockstep.paramserver.ParameterServer(
+        server = lockstep.lowcomm.paramserver.ParameterServer(
             model, lambda p: torch.optim.SGD(p, lr=0.05), prefix, updates=10_000,
             max_staleness=0, dead_after_s=1.5)
         return server.serve().summary() | {"dead": server.stats.dead}
-    worker = lockstep.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
+    worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
     x, y = digit_sets()[0].tensors
     for _ in range(steps if world.rank == 1 else 3):
         worker.pull()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.models import CharGPT
+from lockstep.demo.models import CharGPT
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model
 from tests.test_trainer import digit_sets, sgd
@@ -25,7 +25,7 @@ def check_overflow_on_one_rank() -> tuple[list[bool], list[float], str]:
     stepped, scales = [], []
     for step in range(4):
         opt.zero_grad()
-        with lockstep.precision.autocast("fp16", world.device):
+        with lockstep.replication.precision.autocast("fp16", world.device):
             loss = loss_of("mlp", model, *batch("mlp", step * 2 + world.rank, 8))
         scaler.scale(loss).backward()
         if step == 2 and world.rank == world.world_size - 1:

@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from lockstep.sampler import ShardedSampler
+from lockstep.training.sampler import ShardedSampler
 
 
 def shards(length, world_size, **kwargs):

@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import TensorDataset
 
 import lockstep
-from lockstep import checkpoint
-from lockstep.sampler import global_order
 from lockstep.testing import World
+from lockstep.training import checkpoint
+from lockstep.training.sampler import global_order
 from tests.models import digits, make_model, max_diff
 
 GLOBAL_BATCH, CAP = 48, 8  # 1440 training digits: 30 steps per epoch

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import lockstep
+from lockstep.sharding.zero import padded, plan_units, shard_range
 from lockstep.testing import World
-from lockstep.zero import padded, plan_units, shard_range
 from tests.models import batch, digest, loss_of, make_model
 
 STEPS, PER_RANK = 15, 8
@@ -164,8 +164,8 @@ def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bo
     opt = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     start = 0
     if load:
-        folder = lockstep.checkpoint.latest_valid(root)
-        start = lockstep.checkpoint.load(folder, model, opt)["step"]
+        folder = lockstep.training.checkpoint.latest_valid(root)
+        start = lockstep.training.checkpoint.load(folder, model, opt)["step"]
     prints = []
     for step in range(start, start + steps):
         x, y = batch("transformer", step, 24)  # a global batch of 24 at any world size
@@ -175,7 +175,7 @@ def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bo
                 y[rank * share:(rank + 1) * share]).backward()
         opt.step()
         if save_after is not None and step + 1 == save_after:
-            lockstep.checkpoint.save(root, step + 1, model, opt, {})
+            lockstep.training.checkpoint.save(root, step + 1, model, opt, {})
         if step + 1 > (save_after or start):
             prints.append(_whole_parameters(model))
     return prints
@@ -205,3 +205,25 @@ def test_a_stage3_checkpoint_from_3_ranks_continues_at_stage1_on_2(world2: World
         for after, expected in zip(moved, original, strict=True):  # each of the 3 steps
             gap = (after - expected).abs().max().item()
             assert gap < 5e-5, f"stage 3 on 3 ranks -> stage {stage} on 2: {gap:.1e}"
+
+
+def check_trainer_sharded(run_dir: str, stage: int) -> tuple[str, list[torch.Tensor]]:
+    """The Trainer with ShardConfig: its summary's fingerprint comes from the whole weights
+    (gathered at stage 3, where the module alone holds none)."""
+    from tests.test_trainer import config, digit_sets, sgd
+
+    train_set, test_set = digit_sets()
+    parallel = lockstep.ShardConfig(stage=stage) if stage else lockstep.SyncConfig()
+    trainer = lockstep.Trainer(make_model("mlp"), sgd, train_set, test_set,
+                               config=config(run_dir, max_steps=6, parallel=parallel))
+    summary = trainer.fit()
+    whole = trainer.model.full_state_dict()
+    assert summary["fingerprint"] == lockstep.fingerprint(whole)
+    return summary["fingerprint"], list(whole.values())
+
+
+def test_the_trainer_shards_from_its_config(world2: World, tmp_path) -> None:
+    _, plain = world2.run(check_trainer_sharded, str(tmp_path / "plain"), 0)[0]
+    for stage in (1, 3):
+        _, sharded = world2.run(check_trainer_sharded, str(tmp_path / f"s{stage}"), stage)[0]
+        assert max((a - b).abs().max().item() for a, b in zip(plain, sharded)) < 5e-5

@@ -1,0 +1,96 @@
+"""Tensors that every process on a host can read: the memory behind the "shm" reduction.
+
+Each rank backs each of its buckets with an anonymous memory file (memfd) and the other
+ranks on the host map it through /proc/<pid>/fd/<n>. Anonymous files have no name to leak:
+the memory lives exactly as long as some process maps it, so it is returned on every exit
+path, `kill -9` included, and nothing is ever left in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+from lockstep import comm
+from lockstep.comm.diagnostics import explain_stall
+
+
+def shm_available() -> str | None:
+    """None if shared buckets work here; otherwise why not."""
+    if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
+        return "shared-memory reduction needs Linux (memfd_create and /proc)"
+    return None
+
+
+class HostMemory:
+    """Allocates host-shared tensors. Collective over `group`: the ranks on this host must
+    call `allocate` together, with the same sizes, in the same order."""
+
+    def __init__(self, group: comm.Group) -> None:
+        reason = shm_available()
+        if reason is not None:
+            raise RuntimeError(f"rank {comm.rank_of()}: {reason}")
+        self.group = group
+        self.local_rank = comm.rank_of(group)
+        self.pids = comm.all_gather_object(os.getpid(), "shm: exchange process ids", group)
+        self.count = 0
+
+    def allocate(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """A zeroed tensor of `numel` elements per rank on the host, in local-rank order;
+        entry `local_rank` is this rank's own (the others are its peers', mapped)."""
+        nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
+        fd = os.memfd_create(f"lockstep-bucket-{self.count}", os.MFD_CLOEXEC)
+        self.count += 1
+        try:
+            os.ftruncate(fd, nbytes)  # fresh pages read as zeros
+            fds = comm.all_gather_object(fd, "shm: exchange bucket files", self.group)
+            views = [torch.from_file(f"/proc/{pid}/fd/{peer_fd}", shared=True, size=numel,
+                                     dtype=dtype) for pid, peer_fd in zip(self.pids, fds,
+                                                                          strict=True)]
+            comm.barrier("shm: every rank has mapped the new bucket", self.group)
+        finally:
+            os.close(fd)  # the mappings keep the memory; no name, nothing to clean up
+        return views
+
+
+class HostBarrier:
+    """A barrier among the ranks of one host, through flags in shared memory.
+
+    Each rank bumps its own counter and waits until every peer's counter has caught up:
+    a few microseconds when ranks arrive together, against ~0.2 ms for a barrier over
+    loopback sockets. Spinning gives way (sched_yield, then short sleeps) while it waits,
+    and gives up after `timeout_s` naming the ranks that never arrived. The flag store
+    follows the data stores in program order, which x86's memory model keeps in order for
+    the reader; elsewhere this falls back to the group's socket barrier.
+    """
+
+    def __init__(self, memory: HostMemory, timeout_s: float) -> None:
+        self.memory, self.timeout_s = memory, timeout_s
+        self.spin = platform.machine() in ("x86_64", "AMD64", "i686")
+        flags = memory.allocate(1, torch.int64) if self.spin else []
+        self.flags = [flag.numpy() for flag in flags]  # numpy: cheap scalar reads
+        self.generation = 0
+
+    def wait(self, what: str) -> None:
+        if not self.spin:
+            comm.barrier(what, self.memory.group)
+            return
+        self.generation += 1
+        mine = self.memory.local_rank
+        self.flags[mine][0] = self.generation
+        started, spins = time.monotonic(), 0
+        while any(flag[0] < self.generation for flag in self.flags):
+            spins += 1
+            if spins < 2000:
+                os.sched_yield()
+                continue
+            waited = time.monotonic() - started
+            if waited > self.timeout_s:
+                late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
+                raise comm.CollectiveError(
+                    f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
+                    f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
+            time.sleep(min(1e-3, 1e-5 * (spins - 2000)))

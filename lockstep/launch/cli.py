@@ -1,0 +1,109 @@
+"""The `lockstep` command: `lockstep run` launches workers, `lockstep demo` shows the library,
+`lockstep env` reports versions and backends for a bug report."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+import lockstep
+from lockstep.launch.run import LaunchSpec, run
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def _workers(text: str) -> int:
+    """-n: a positive number of workers (argparse turns the error into a usage message)."""
+    value = _whole(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 worker, got {value}")
+    return value
+
+
+def _nnodes(text: str) -> str:
+    """--nnodes: N or MIN:MAX, positive, MIN <= MAX (torchrun's syntax)."""
+    match = re.fullmatch(r"(\d+)(?::(\d+))?", text)
+    if not match or int(match.group(1)) < 1 or int(match.group(2) or match.group(1)) < int(
+            match.group(1)):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got "
+                                         f"{text!r}")
+    return text
+
+
+def _non_negative(text: str) -> int:
+    value = _whole(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
+             ) -> argparse.ArgumentParser:
+    p = commands.add_parser("run", help="launch N workers of a script (torchrun-compatible)",
+                            description="Launch workers with the torchrun environment. On one "
+                            "host: `lockstep run -n 4 train.py --lr 0.1`. Across hosts, run "
+                            "the same command on each with --nnodes and --rdzv-endpoint.")
+    p.add_argument("-n", "--nproc-per-node", type=_workers, default=1, dest="nproc",
+                   help="workers on this host (default 1)")
+    p.add_argument("--nnodes", type=_nnodes, default="1",
+                   help="number of hosts, or MIN:MAX (default 1); more than 1 needs "
+                   "--rdzv-endpoint")
+    p.add_argument("--node-rank", type=_non_negative, default=None,
+                   help="this host's rank, 0 for the host that holds the rendezvous "
+                   "(default: torchrun decides)")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="HOST:PORT of the rendezvous (one host of the job) for several hosts")
+    p.add_argument("--rdzv-id", default=None,
+                   help="job id shared by all hosts (default 'lockstep')")
+    p.add_argument("--local-addr", default=None,
+                   help="this host's address as the other hosts reach it")
+    p.add_argument("--max-restarts", type=_non_negative, default=0,
+                   help="restart all workers up to this many times after a failure "
+                   "(default 0); a Trainer script resumes from its last checkpoint")
+    p.add_argument("-m", "--module", action="store_true", help="target is a module")
+    p.add_argument("target", help="script path (or module name with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:  # the demo parses its own options (see `lockstep demo -h`)
+        from lockstep.demo import demo
+
+        return demo.main(argv[1:])
+    if argv[:1] == ["cluster"]:
+        from lockstep.tools import cluster
+
+        return cluster.main(argv[1:])
+    parser = argparse.ArgumentParser(prog="lockstep", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lockstep {lockstep.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = _add_run(commands)
+    commands.add_parser("demo", help="train a small CNN on real MNIST, 1 then 2 workers")
+    commands.add_parser("cluster", help="run a command on each host of an emulated cluster "
+                        "(network namespaces with rate-limited links; needs root)")
+    commands.add_parser("env", help="versions, backends, CUDA/NCCL, cores and the torchrun "
+                        "environment: what to paste into a bug report")
+    args = parser.parse_args(argv)
+    if args.command == "env":
+        from lockstep.launch import envreport
+
+        return envreport.main()
+    if args.nnodes not in ("1", "1:1") and args.rdzv_endpoint is None:
+        run_parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
+                         "of the job, the same on every host)")
+    return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+                          module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
+                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                          local_addr=args.local_addr, max_restarts=args.max_restarts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""Catch a NaN or inf in any rank's gradients at the step it appears.
+
+One rank's non-finite gradient becomes every rank's after the all-reduce, and from then on
+every weight: left alone, a run "finishes" with NaN weights and overwrites its good
+checkpoints with them. So the reducer looks at each local gradient as it arrives -- one sum
+per gradient, the cheapest pass over memory there is, and NaN and inf survive it -- and at
+the end of backward the ranks exchange one flag each, a tiny all-reduce launched alongside
+the last buckets. Every rank then knows the same thing at the same moment: which ranks'
+local gradients were not finite. A sum of finite values can overflow, so before anyone is
+stopped the averaged gradients of the flagged parameters are checked element by element.
+The default stops the job with an error naming the step, those ranks and the first
+parameter on each; `nonfinite="skip"` drops the step instead (every rank alike) and counts
+it.
+
+While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
+agreed skip), so the check stands aside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from lockstep import comm
+from lockstep.logs import get_logger
+from lockstep.replication import precision
+
+log = get_logger(__name__)
+
+MODES = ("error", "skip", "off")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """Some rank's local gradient held a NaN or inf."""
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"nonfinite must be one of {', '.join(MODES)}; got {mode!r}")
+
+
+class FiniteCheck:
+    """Watches one reducer's gradients during each synchronised backward."""
+
+    def __init__(self, mode: str, names: Sequence[str], group: comm.Group) -> None:
+        check_mode(mode)
+        self.mode, self.names, self.group = mode, list(names), group
+        self.backwards = 0        # synchronised backwards seen, for the step in messages
+        self.skipped_steps = 0
+        self._sums: list[tuple[int, torch.Tensor]] = []
+        self._flags: torch.Tensor | None = None
+
+    def observe(self, index: int, grad: torch.Tensor) -> None:
+        """Record parameter `index`'s local gradient by its sum: NaN and inf survive a sum,
+        the cheapest pass over memory there is. (A sum of finite values can overflow;
+        `finish` tells that apart before anyone is stopped.)"""
+        if self.mode != "off":
+            self._sums.append((index, grad.detach().sum()))
+
+    def reset(self) -> None:
+        """Forget a backward that did not finish."""
+        self._sums = []
+
+    def start(self) -> comm.Pending | None:
+        """Launch the exchange of flags, once all of this backward's gradients were
+        observed: flags[r] = 1 if rank r saw a non-finite gradient; the last entry counts
+        the ranks whose LossScaler is mid-step (its overflow is then expected, and every
+        rank leaves it to the scaler, whatever its own state)."""
+        self.backwards += 1
+        if self.mode == "off":
+            return None
+        size = comm.size_of(self.group)
+        flags = comm.control_tensor([0] * (size + 1), self.group)
+        if self._sums:
+            local = torch.stack([total for _, total in self._sums])
+            flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
+        flags[size] = int(precision.loss_scaling_pending())
+        self._flags = flags
+        return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
+                                     self.group)
+
+    def finish(self, exchange: comm.Pending | None,
+               averaged_finite: Callable[[list[int]], bool | None]) -> bool:
+        """Wait for the exchange: True if this step's gradients are usable. Raises
+        NonFiniteGradientError in "error" mode when they are not.
+
+        A flagged sum may only have overflowed: then the averaged gradients of the flagged
+        parameters -- the same on every rank -- are finite, and every rank lets the step
+        be (`averaged_finite` says, or None where they are no longer held whole)."""
+        flags, self._flags = self._flags, None
+        sums, self._sums = self._sums, []
+        if exchange is None or flags is None:
+            return True
+        exchange.wait()
+        *per_rank, scaling = flags.tolist()
+        bad_ranks = [r for r, flag in enumerate(per_rank) if flag]
+        if not bad_ranks or scaling:
+            return True
+        suspects = comm.all_gather_object(_flagged(sums), "naming the non-finite gradients "
+                                          "on each rank", self.group)
+        if averaged_finite(sorted({i for indices in suspects for i in indices})) is True:
+            return True  # finite values whose sum overflowed: nothing to stop for
+        detail = "; ".join(f"rank {r}: first in '{self.names[suspects[r][0]]}'"
+                           for r in bad_ranks)
+        message = (f"rank {comm.rank_of(self.group)}: synchronised backward "
+                   f"{self.backwards}: non-finite gradient (NaN or inf) in the local gradients "
+                   f"of rank(s) {bad_ranks} ({detail})")
+        if self.mode == "error":
+            raise NonFiniteGradientError(
+                f"{message}. Stopped before the optimizer step, so the weights and the last "
+                "checkpoint are still finite. Look at that rank's batch; or wrap with "
+                "DataParallel(..., nonfinite='skip') to drop such steps instead.")
+        self.skipped_steps += 1
+        log.warning("%s; this step is skipped on every rank (%d so far)", message,
+                    self.skipped_steps)
+        return False
+
+
+def _flagged(sums: list[tuple[int, torch.Tensor]]) -> list[int]:
+    """The parameters whose local gradient sum was not finite, in registration order."""
+    return sorted(index for index, total in sums if not bool(torch.isfinite(total)))

@@ -1,0 +1,396 @@
+"""The reducer: averages gradients across ranks while backward is still running.
+
+One step, as seen from here:
+
+1. Each trainable parameter's `.grad` is a view into a flat bucket buffer, so autograd
+   accumulates straight into the buffer that goes on the wire (no copy in or out).
+2. A post-accumulate-grad hook marks the parameter ready. When every parameter of a bucket
+   is ready the bucket may launch -- but buckets launch strictly in plan order, so all ranks
+   issue the same collectives in the same sequence even if readiness differs.
+3. Each gradient is scaled once by 1/N as it enters its bucket (fused with the copy, so
+   no extra pass); the all-reduce's sum is then the average. A callback queued on the
+   autograd engine runs once backward ends: it launches whatever is left and waits for
+   every bucket.
+
+Only a backward that follows a forward through the wrapper synchronises (as in torch's
+DDP): the forward arms the reducer (`arm`), and hooks that fire unarmed -- a backward
+through `model.module` alone, or one inside `no_sync()` -- accumulate locally. The
+end-of-backward callback is queued from the outputs' own autograd nodes, so it runs at the
+end of the *outermost* backward even when reentrant activation checkpointing runs nested
+backwards inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and
+its hooks go with it.
+
+After the first synchronised backward the plan is rebuilt in the order gradients actually
+arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.autograd import Variable
+
+from lockstep import comm
+from lockstep.logs import get_logger
+from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
+from lockstep.replication.nonfinite import FiniteCheck
+from lockstep.replication.outputs import find_tensors
+from lockstep.replication.reduction import Bucket, Reduction, scaled_copy
+
+log = get_logger(__name__)
+
+
+class UnusedParameterError(RuntimeError):
+    """A trainable parameter got no gradient in a synchronised backward."""
+
+
+def _slots(params: Sequence[torch.nn.Parameter]) -> list[ParamSlot]:
+    return [ParamSlot(i, p.numel(), str(p.dtype), p.element_size()) for i, p in
+            enumerate(params)]
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for one replica's trainable parameters,
+    each bucket travelling the way its `Reduction` says (reduction.py)."""
+
+    def __init__(self, named_params: Sequence[tuple[str, torch.nn.Parameter]],
+                 reduction: Reduction, bucket_cap_bytes: int, first_bucket_bytes: int,
+                 find_unused: bool = False, group: comm.Group = None,
+                 nonfinite: str = "error") -> None:
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.reduction = reduction
+        self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
+        self.find_unused = find_unused
+        self.group = group
+        self.finite = FiniteCheck(nonfinite, self.names, group)
+        self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
+        self.world_size = comm.size_of(group)
+        self.divisor = self.world_size  # ranks contributing this step (fewer under join)
+        self.buckets: list[Bucket] = []
+        self._build(reverse_registration_order(len(self.params)))
+        self._armed = False        # the last forward through the wrapper asked for a sync
+        self._in_backward = False  # a synchronised backward is under way
+        self._next_launch = 0
+        self._ready = bytearray(len(self.params))
+        self._used = bytearray(len(self.params))  # got a gradient since the last sync
+        # Recorded during the first synced backward, to rebuild the plan in arrival order.
+        self._arrivals: list[int] | None = []
+        self._learned_order: list[int] | None = None
+        self._warned_create_graph = False
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, i))
+                       for i, p in enumerate(self.params)]
+
+    # ---- plan -------------------------------------------------------------------------
+
+    def _build(self, order: list[int]) -> None:
+        """(Re)allocate buckets for `order`, carrying over any gradient already held. A
+        plan that comes out as it was (ZeRO's is fixed) is kept as it is."""
+        slots = _slots(self.params)
+        specs = self.reduction.plan([slots[i] for i in order], self.cap_bytes,
+                                    self.first_cap_bytes)
+        if specs == [b.spec for b in self.buckets]:
+            return
+        self._free_buckets()
+        self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
+                               f"({spec.numel} x {spec.dtype})", self.reduction)
+                        for k, spec in enumerate(specs)]
+        self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for index, view in zip(bucket.spec.param_indices, bucket.views, strict=True):
+                self._where[index] = (bucket, view)
+                param = self.params[index]
+                if param.grad is not None:
+                    self.reduction.materialize(bucket)
+                    _adopt(param, view, 1.0)
+
+    def bucket_sizes_mb(self) -> list[float]:
+        return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
+
+    def prepare_forward(self, sync: bool) -> None:
+        """Called before each grad-enabled forward through the wrapper: clean up after a
+        backward that raised, rebuild the plan once in arrival order, and arm (or disarm)
+        the next backward's synchronisation. Like DDP, the forward decides: a backward
+        inside `no_sync()` whose forward ran outside it still synchronises."""
+        if self._in_backward:
+            self._abandon_backward()
+        self._armed = sync
+        if not sync or self._learned_order is None:
+            return
+        order = comm.broadcast_object(self._learned_order, 0, "broadcast of rank 0's "
+                                      "gradient arrival order", self.group)
+        self._learned_order = None
+        self._build(order)
+
+    def watch_outputs(self, output: Any) -> None:
+        """Queue the end of the synchronised backward from the outputs' autograd nodes.
+        They run in the outermost backward, before any parameter's gradient, so the
+        callback lands on that backward even when reentrant checkpointing runs the
+        parameters' backward in nested ones (their callbacks would run too early)."""
+        if not self._armed:
+            return
+        weak_self = weakref.ref(self)
+
+        def begin(grad_outputs: Any) -> None:
+            reducer = weak_self()
+            if reducer is not None and reducer._armed:
+                reducer._begin_backward()
+
+        for tensor in find_tensors(output):
+            if tensor.grad_fn is not None:
+                tensor.grad_fn.register_prehook(begin)
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _abandon_backward(self) -> None:
+        """A synchronised backward raised before its end-of-backward callback ran (autograd
+        skips queued callbacks on error). Finish the all-reduces it launched -- its peers
+        launched the same ones if they failed the same way -- and start clean."""
+        log.warning("rank %d: the previous backward did not finish (it raised); discarding "
+                    "its partial gradient reduction", comm.rank_of(self.group))
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+        if self._arrivals is not None:
+            self._arrivals = []
+        self.finite.reset()
+        self._reset_for_next_backward()
+
+    # ---- backward -----------------------------------------------------------------------
+
+    def _on_grad_ready(self, index: int) -> None:
+        bucket, view = self._where[index]
+        param = self.params[index]
+        self.reduction.materialize(bucket)
+        self._used[index] = 1
+        if not self._armed:  # accumulate in the bucket slot, unscaled, until the sync
+            _adopt(param, view, 1.0)
+            return
+        self._begin_backward()  # a no-op when the outputs' nodes already queued the end
+        if self._ready[index]:
+            raise RuntimeError(
+                f"rank {comm.rank_of(self.group)}: parameter '{self.names[index]}' received a "
+                "gradient twice in one backward (used both inside and outside a reentrant "
+                "checkpoint, or a second backward through the same graph?); lockstep reduces "
+                "each gradient once. Use torch.utils.checkpoint(..., use_reentrant=False)")
+        self._ready[index] = 1
+        self._check_create_graph(param)
+        self.finite.observe(index, param.grad)  # type: ignore[arg-type]
+        _adopt(param, view, 1.0 / self.divisor, self.reduction, bucket)
+        if self._arrivals is not None:
+            self._arrivals.append(index)
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._launch_in_order()
+
+    def _check_create_graph(self, param: torch.Tensor) -> None:
+        if self._warned_create_graph or param.grad is None or not param.grad.requires_grad:
+            return
+        self._warned_create_graph = True
+        log.warning("rank %d: backward(create_graph=True): .grad holds the average over ranks "
+                    "as values; the graph of higher-order gradients through it is not averaged "
+                    "(as with torch's DDP). For a gradient penalty, torch.autograd.grad(..., "
+                    "create_graph=True) composes exactly.", comm.rank_of(self.group))
+
+    def _launch_in_order(self) -> None:
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
+            bucket = buckets[self._next_launch]
+            bucket.pending = self.reduction.start(bucket)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        """End of a synchronised backward: complete every bucket, agree whether every
+        gradient was finite, then check for unused parameters."""
+        try:
+            unready = [i for i in range(len(self.params)) if not self._ready[i]]
+            emptied = self._fill_unready(unready)
+            self._launch_in_order()
+            flags = self.finite.start()
+            self._wait_all()
+            finite = self.finite.finish(flags, self._averaged_finite)  # every rank alike
+            if self.find_unused:
+                self._drop_globally_unused(emptied)
+            elif unready:
+                raise self._unused_error(unready)
+            if self._arrivals is not None:
+                self._learned_order = arrival_order(self._arrivals, len(self.params))
+                self._arrivals = None
+            if not finite:
+                self._drop_step()
+        finally:
+            self._reset_for_next_backward()
+
+    def _averaged_finite(self, indices: list[int]) -> bool | None:
+        """Whether these parameters' averaged gradients are all finite (None when they are
+        no longer held whole: ZeRO's reduce-scatter keeps only shards)."""
+        grads = [self.params[i].grad for i in indices]
+        if any(g is None for g in grads):
+            return None
+        return all(bool(torch.isfinite(g).all()) for g in grads)  # type: ignore[arg-type]
+
+    def _drop_step(self) -> None:
+        """nonfinite="skip": no gradient, so the optimizer leaves every parameter (and its
+        state) as it was -- on every rank, since all agreed."""
+        for param in self.params:
+            param.grad = None
+        self.reduction.drop_step(self.buckets)
+
+    def _fill_unready(self, unready: list[int]) -> list[int]:
+        """Give parameters that got no gradient this backward a defined slot value: zero if
+        they hold no gradient (other ranks' gradients will land there), their own if they
+        accumulated one earlier. Returns the ones that had no gradient at all."""
+        emptied = []
+        for index in unready:
+            bucket, view = self._where[index]
+            param = self.params[index]
+            self.reduction.materialize(bucket)
+            if param.grad is None:
+                view.zero_()
+                param.grad = view
+                emptied.append(index)
+            else:
+                self.finite.observe(index, param.grad)
+                _adopt(param, view, 1.0 / self.divisor)
+            bucket.waiting -= 1
+        return emptied
+
+    def _wait_all(self) -> None:
+        for bucket in self.buckets:
+            assert bucket.pending is not None, f"{bucket.label} was never launched"
+            bucket.pending.wait()
+            bucket.pending = None
+        self.reduction.finish(self.buckets)
+        raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
+        self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
+                      "bytes_uncompressed": raw}
+
+    def _drop_globally_unused(self, emptied: list[int]) -> None:
+        """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
+        optimizer skips it (a zero gradient would still move it through momentum/decay)."""
+        used = comm.control_tensor(self._used, self.group)
+        comm.all_reduce(used, "all-reduce of the used-parameter bitmap", self.group)
+        used_anywhere = used.tolist()
+        for index in emptied:
+            if used_anywhere[index] == 0:
+                self.params[index].grad = None
+
+    def _unused_error(self, unready: list[int]) -> UnusedParameterError:
+        names = ", ".join(f"'{self.names[i]}'" for i in unready[:8])
+        more = f" and {len(unready) - 8} more" if len(unready) > 8 else ""
+        return UnusedParameterError(
+            f"rank {comm.rank_of(self.group)}: {len(unready)} parameter(s) received no "
+            f"gradient in this backward: {names}{more}. If some parameters are legitimately "
+            "unused on some steps, wrap with DataParallel(..., find_unused=True); if they are "
+            "never used, freeze them (requires_grad_(False)) or remove them.")
+
+    def _reset_for_next_backward(self) -> None:
+        self._in_backward = False
+        self._next_launch = 0
+        self._ready = bytearray(len(self.params))
+        self._used = bytearray(len(self.params))
+        for bucket in self.buckets:
+            bucket.waiting = len(bucket.params)
+            bucket.pending = None
+
+    # ---- join: stand in for a backward this rank has no data for ------------------------
+
+    def shadow_backward(self) -> None:
+        """Issue exactly the collectives a real synchronised backward issues, contributing
+        zeros, so ranks that still have data are not left waiting."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            bucket.waiting = 0
+        self._launch_in_order()
+        try:
+            flags = self.finite.start()
+            self._wait_all()
+            self.finite.finish(flags, self._averaged_finite)
+            if self.find_unused:
+                comm.all_reduce(comm.control_tensor([0] * len(self.params), self.group),
+                                "all-reduce of the used-parameter bitmap", self.group)
+            if self._arrivals is not None:
+                self._learned_order = arrival_order([], len(self.params))
+                self._arrivals = None
+        finally:
+            self._reset_for_next_backward()
+
+    def has_unsynced_gradients(self) -> bool:
+        """Whether no_sync micro-steps accumulated gradients that no synced backward has
+        reduced yet."""
+        return any(self._used)
+
+    def _free_buckets(self) -> None:
+        for bucket in self.buckets:
+            self.reduction.free(bucket.flat)
+        self.buckets = []
+
+    def detach(self) -> None:
+        """Stop reducing: remove the hooks. Gradients keep their current values (the
+        bucket memory stays alive as long as a `.grad` view of it does). Idempotent."""
+        self._armed = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._free_buckets()
+
+
+def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
+           reduction: Reduction | None = None, bucket: Bucket | None = None) -> None:
+    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory, and
+    point `.grad` at the slot.
+
+    Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
+    pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
+    overflow in low precision). A fresh tensor from autograd (after
+    zero_grad(set_to_none=True)) is handed to the reduction, which may move only what its
+    peers will read (see HostSlices.absorb); one already in the slot is scaled in place.
+    """
+    grad = param.grad
+    assert grad is not None
+    if grad is view:
+        if scale != 1.0:
+            view.mul_(scale)
+        return
+    with torch.no_grad():  # under create_graph the gradient has a graph: take its values
+        if reduction is None or bucket is None:
+            scaled_copy(grad, view, scale)
+        else:
+            reduction.absorb(grad, view, scale, bucket)
+    param.grad = view
+
+
+def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
+    """A parameter's readiness hook that does not keep its reducer alive: a wrapper that
+    is no longer referenced is collected, and its finalizer removes this hook."""
+    weak = weakref.ref(reducer)
+
+    def hook(param: torch.Tensor) -> None:
+        live = weak()
+        if live is not None:
+            live._on_grad_ready(index)
+    return hook
+
+
+def naive_average_gradients(params: Sequence[torch.nn.Parameter],
+                            group: comm.Group = None) -> None:
+    """The oracle: one blocking all-reduce per parameter, then divide. Slow and obviously
+    right; tests hold the bucketed reducer against it."""
+    world_size = comm.size_of(group)
+    for param in params:
+        if param.grad is not None:
+            comm.all_reduce(param.grad, "naive per-parameter all-reduce", group)
+            param.grad.div_(world_size)
+
+
+def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters that need reducing: those with requires_grad, each once (tied weights
+    share one entry), in registration order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+

@@ -1,0 +1,117 @@
+"""The seam: how one gradient bucket travels from this rank's backward to the average.
+
+A `Reduction` answers four questions for the Reducer, which asks nothing else and never
+which kind it holds:
+
+    allocate  where a bucket's flat buffer lives (plain memory, memory the host's ranks
+              share, a buffer padded to split into equal shards)
+    absorb    how a fresh gradient enters its slot of the buffer (scaled by 1/N on the way)
+    start     how the bucket is summed across ranks (an all-reduce, a ring, shared memory,
+              a compressed exchange, a reduce-scatter into a shard); returns a handle
+    finish    what follows once every bucket of a backward is done (a barrier, error
+              feedback's step count, handing shards to the optimizer)
+
+and, around them: which buckets to make (`plan`, fixed for ZeRO), memory that comes and
+goes (`materialize`), the bytes a step sent, dropping a step, and closing. The algorithms
+(algorithms.py), the compressors that wrap one (compress.py) and ZeRO's sharded reduction
+(zero.py) implement it; so can a user: subclass `Reduction`, or `AllReduce` for a new way
+to sum a flat tensor, and pass an instance as `DataParallel(..., reduction=...)`.
+
+Torch's DDP exposes the same seam as comm hooks (a function from a bucket to a future);
+here it is a type, so the buffer's placement and the end of the step belong to it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from lockstep.replication.buckets import BucketSpec, ParamSlot, plan_buckets
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+class Done:
+    """The handle of a reduction that finished before it was returned."""
+
+    def wait(self) -> None:
+        """Already complete."""
+
+
+def scaled_copy(grad: torch.Tensor, view: torch.Tensor, scale: float) -> None:
+    if scale != 1.0:
+        torch.mul(grad, scale, out=view)
+    else:
+        view.copy_(grad)
+
+
+class Bucket:
+    """One flat gradient buffer and the parameters whose `.grad` are views into it."""
+
+    def __init__(self, index: int, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
+                 label: str, reduction: Reduction) -> None:
+        self.index, self.spec = index, spec  # index: its place in the plan (launch order)
+        self.params = [params[i] for i in spec.param_indices]
+        first = self.params[0]
+        self.flat = reduction.allocate(reduction.buffer_numel(spec), first.dtype, first.device)
+        self.views = [self.flat[offset:offset + p.numel()].view_as(p)
+                      for offset, p in zip(spec.offsets, self.params, strict=True)]
+        self.waiting = len(self.params)  # parameters not yet ready in this backward
+        self.pending: Handle | None = None
+        self.label = label
+        reduction.release(self)
+
+
+class Reduction:
+    """How a bucket travels. The defaults describe plain memory and a plan of ~25 MB
+    buckets in arrival order; `start` is what every reduction must say."""
+
+    name = "?"
+
+    def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
+             first_cap_bytes: int) -> list[BucketSpec]:
+        """The buckets for parameters taken in the order of `slots`."""
+        return plan_buckets(slots, cap_bytes, first_cap_bytes)
+
+    def buffer_numel(self, spec: BucketSpec) -> int:
+        """Elements of a bucket's buffer (more than its parameters' when padded)."""
+        return spec.numel
+
+    def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=dtype, device=device)
+
+    def materialize(self, bucket: Bucket) -> None:
+        """Make the bucket's memory present before a gradient is written into it."""
+
+    def release(self, bucket: Bucket) -> None:
+        """The bucket may give its memory up until the next `materialize` (called once it
+        is made; a reduction that frees buckets after summing calls it itself)."""
+
+    def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
+               bucket: Bucket) -> None:
+        """Move a fresh gradient, times `scale`, into its slot `view` of the bucket."""
+        scaled_copy(grad, view, scale)
+
+    def start(self, bucket: Bucket) -> Handle:
+        """Begin summing the bucket (its gradients already scaled by 1/N) across ranks."""
+        raise NotImplementedError
+
+    def finish(self, buckets: Sequence[Bucket]) -> None:
+        """Every bucket of a synchronised backward has been waited for."""
+
+    def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
+        """What this rank put on the wire in the step that just finished."""
+        return sum(b.flat.numel() * b.flat.element_size() for b in buckets)
+
+    def drop_step(self, buckets: Sequence[Bucket]) -> None:
+        """The step's gradients are not to be used (a non-finite one somewhere)."""
+
+    def free(self, flat: torch.Tensor) -> None:
+        """A buffer from `allocate` is no longer used (the plan was rebuilt)."""
+
+    def close(self) -> None:
+        """Release threads, process groups and memory."""

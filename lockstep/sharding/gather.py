@@ -1,0 +1,185 @@
+"""ZeRO stage 3's parameter lifecycle: whole just in time, sharded at rest.
+
+Every module that owns parameters gathers the units they belong to before its forward and
+releases them after; the gathering order seen in the first forward is remembered, so each
+gather also prefetches the unit that comes next. In backward a unit is gathered again when
+the gradient of its module's output arrives, and released once its gradients are
+reduce-scattered (Sharding.on_reduced).
+
+At rest a sharded parameter's memory is empty, so nothing may read it then: the module's
+`state_dict()` is refused with what to call instead (`DataParallel.full_state_dict()`, a
+collective), and so are its forward and `state_dict()` after its wrapper was dropped without
+`close()` (which gives the module its full parameters back) -- reading empty storage would
+kill the process without a Python error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.replication.outputs import find_tensors
+from lockstep.sharding.zero import FlatGroup
+
+
+class Gatherer:
+    """Stage 3's parameter lifecycle, driven by module hooks.
+
+    Every module that owns parameters gathers the units they belong to before its forward
+    and releases them after; the gathering order seen in the first forward is remembered,
+    so each gather also prefetches the unit that comes next. In backward a unit is gathered
+    again when the gradient of its module's output arrives, and released once its
+    gradients are reduce-scattered (Sharding.on_reduced)."""
+
+    def __init__(self, module: nn.Module, groups: list[FlatGroup], group: comm.Group) -> None:
+        self.groups, self.group = groups, group
+        unit_of = {id(p): g.index for g in groups for p in g.params}
+        self.users = [0] * len(groups)
+        self.order: list[int] = []
+        self._recording = True
+        self._in_backward = [False] * len(groups)
+        self.owners = [sub for sub in module.modules()
+                       if any(id(p) in unit_of for p in sub.parameters(recurse=False))]
+        self._handles = []
+        for sub in self.owners:
+            units = sorted({unit_of[id(p)] for p in sub.parameters(recurse=False)})
+            self._handles += [sub.register_forward_pre_hook(self._before(units)),
+                              sub.register_forward_hook(self._after(units)),
+                              sub.register_state_dict_pre_hook(self._refuse_state_dict)]
+
+    def _before(self, units: list[int]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for u in units:
+                self.acquire(u, backward=False)
+        return hook
+
+    def _after(self, units: list[int]) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            for u in units:
+                self.users[u] -= 1
+                if self.users[u] == 0 and not self._in_backward[u]:
+                    self.groups[u].release()
+            if torch.is_grad_enabled():
+                for t in find_tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._before_backward(units))
+            return output
+        return hook
+
+    def _before_backward(self, units: list[int]) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._recording = False
+            for u in units:
+                if not self._in_backward[u]:
+                    self._in_backward[u] = True
+                    self.acquire(u, backward=True)
+        return hook
+
+    def acquire(self, u: int, backward: bool) -> None:
+        """Make unit u whole for use, and start gathering the one expected next: the next
+        in forward order, or the previous one in backward."""
+        self.users[u] += 1
+        self._gather(u)
+        if self._recording:  # the first forward teaches the order
+            if u not in self.order:
+                self.order.append(u)
+            return
+        if u in self.order:
+            j = self.order.index(u) + (-1 if backward else 1)
+            if 0 <= j < len(self.order):
+                self._prefetch(self.order[j])
+
+    def _gather(self, u: int) -> None:
+        group = self.groups[u]
+        if group.pending is not None:
+            group.finish_prefetch()
+        elif not group.gathered:
+            group.start_gather(f"gather of parameter unit {u}", self.group).wait()
+        group.gathered = True
+
+    def _prefetch(self, u: int) -> None:
+        group = self.groups[u]
+        if group.gathered or group.pending is not None:
+            return
+        group.pending = group.start_gather(f"prefetch of parameter unit {u}", self.group)
+
+    def reduced(self, u: int) -> None:
+        """Unit u's gradients are reduce-scattered: its parameters can go."""
+        self._in_backward[u] = False
+        self.users[u] = max(0, self.users[u] - 1)
+        if self.users[u] == 0:
+            self.groups[u].release()
+
+    def end_of_step(self) -> None:
+        """After backward: every unit released (a prefetch may still be in flight)."""
+        self._recording = False
+        for u, group in enumerate(self.groups):
+            if group.pending is not None:
+                group.finish_prefetch()  # gathered now, so released below
+            self._in_backward[u] = False
+            self.users[u] = 0
+            if group.gathered:
+                group.release()
+
+    def _refuse_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if all(g.gathered for g in self.groups):
+            return
+        raise RuntimeError(
+            f"rank {comm.rank_of(self.group)}: state_dict() of a ZeRO stage-3 model: its "
+            "parameters are sharded across ranks and not held whole here. Call "
+            "model.full_state_dict() on every rank (it gathers them), or model.close() to "
+            "give the module its full parameters back; lockstep's checkpoints save the shards "
+            "directly.")
+
+    @contextmanager
+    def all_gathered(self) -> Iterator[None]:
+        """Every unit whole, for the duration (collective: every rank must enter)."""
+        for u in range(len(self.groups)):
+            self.acquire(u, backward=False)
+        try:
+            yield
+        finally:
+            for u in range(len(self.groups)):
+                self.reduced(u)
+
+    def give_back(self) -> None:
+        """Collective: gather every unit and give each parameter its own full memory, so
+        the module works alone again; then stop managing it."""
+        with self.all_gathered():
+            for g in self.groups:
+                for p in g.params:
+                    p.data = p.detach().clone()
+        self.remove_hooks()
+
+    @property
+    def managing(self) -> bool:
+        """Whether its hooks still manage the module (not given back or removed)."""
+        return bool(self._handles)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup]) -> None:
+    """The wrapper was dropped without close(): its shards are gone, and the module's
+    parameters have no values. Make every use of them an error instead of a crash."""
+    names = [n for g in groups for n in g.names]
+    message = (f"rank {comm.rank_of()}: the parameters of this module ({', '.join(names[:4])}"
+               f"{', ...' if len(names) > 4 else ''}) were sharded by a ZeRO stage-3 wrapper "
+               "(lockstep.shard) that was dropped without close(); their values are gone. Call "
+               "model.close() (which gives the module its full parameters back) or save "
+               "model.full_state_dict() before dropping the wrapper.")
+
+    def refuse(*args: Any) -> None:
+        raise RuntimeError(message)
+
+    for module in owners:
+        module.register_forward_pre_hook(refuse)
+        module.register_state_dict_pre_hook(refuse)

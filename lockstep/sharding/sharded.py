@@ -1,0 +1,165 @@
+"""ZeRO applied from outside: `lockstep.shard(module, stage)` (as torch's `fully_shard`).
+
+    model = lockstep.shard(net, stage=3)        # every rank, like DataParallel(net)
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-4)
+
+The result is a DataParallel whose buckets travel ZeRO's way (zero.ShardedReduction): the
+module's parameters are laid out in flat groups and, at stage 3, sharded and gathered just
+in time (gather.py). It owns what sharding changes: the optimizer over shards, state dicts
+(whole through `full_state_dict`, a collective; sharded for checkpoints) and its memory
+report. DataParallel itself knows nothing of any of this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.replication.join import JoinError, JoinHook
+from lockstep.replication.memory import state_bytes, tensor_bytes
+from lockstep.replication.nonfinite import check_mode
+from lockstep.replication.reduction import Reduction
+from lockstep.replication.replica import DataParallel
+from lockstep.sharding.gather import Gatherer, guard_orphans
+from lockstep.sharding.zero import (
+    FlatGroup,
+    ShardedReduction,
+    ZeroOptimizer,
+    build_groups,
+    reducer_params,
+)
+
+STAGES = (1, 2, 3)
+
+
+class ShardedDataParallel(DataParallel):
+    """DataParallel with ZeRO stage 1 (optimizer state sharded), 2 (and gradients) or 3
+    (and parameters). From stage 2 on, gradients live in the optimizer's shards, not in
+    `.grad`. Takes DataParallel's arguments except algorithm/compress/reduction.
+
+    Args:
+        stage: 1, 2 or 3.
+        unit: for stage 3, which modules are gathered as one unit (default: every module
+            that owns parameters, i.e. each layer).
+    """
+
+    def __init__(self, module: nn.Module, stage: int = 3, *,
+                 unit: Callable[[nn.Module], bool] | None = None, **kwargs: Any) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
+        for name in ("algorithm", "compress", "reduction"):
+            if kwargs.get(name) not in (None, "native"):
+                raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
+                                 f"all-gather; it takes no {name}=")
+        self.stage, self._unit = stage, unit
+        self.gatherer: Gatherer | None = None
+        super().__init__(module, **kwargs)
+
+    def _make_reduction(self, algorithm: str, compress: Any,
+                        reduction: Reduction | None) -> Reduction:
+        """Lay the parameters out in flat groups and, at stage 3, shard them."""
+        self.zero_groups = build_groups(self.module, self.stage, self.group,
+                                        *self._bucket_bytes, self._unit)
+        sharding = ShardedReduction(self.zero_groups, self.stage, self.group)
+        if self.stage == 3:
+            self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
+            sharding.on_reduced = self.gatherer.reduced
+            sharding.on_step_end = self.gatherer.end_of_step
+            for g in self.zero_groups:
+                g.release()  # sharded at rest
+            self._owned.add(_Orphaning(self.gatherer).release)
+        return sharding
+
+    def _reduced_params(self) -> list[tuple[str, nn.Parameter]]:
+        return reducer_params(self.zero_groups)
+
+    def _follow_requires_grad(self) -> None:
+        if self._requires_grad_changed():
+            raise ValueError(f"rank {comm.rank_of(self.group)}: requires_grad changed after "
+                             "sharding; the sharded layout is fixed: shard the module again")
+
+    def make_optimizer(self, optimizer: Any, **kwargs: Any) -> ZeroOptimizer:
+        """The optimizer over this rank's shards, with torch's step/zero_grad/param_groups/
+        state_dict, and a clip_grad_norm_ that sums the norm over every rank's shards."""
+        def make(params: Any) -> torch.optim.Optimizer:
+            return optimizer(params, **kwargs)
+
+        return ZeroOptimizer(self.zero_groups, self.stage, self.group, make)
+
+    def _join_hook(self, optimizers: list[torch.optim.Optimizer],
+                   sync_final_model: bool) -> JoinHook:
+        raise JoinError(f"rank {comm.rank_of(self.group)}: join() does not shadow ZeRO's "
+                        "reduce-scatters and gathers; give every rank the same number of "
+                        "batches")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict, whole, as copies. At stage 3 it gathers the parameters:
+        a collective, so every rank must call it."""
+        if self.gatherer is None:
+            return super().full_state_dict()
+        with self.gatherer.all_gathered():
+            return super().full_state_dict()
+
+    def memory_report(self, optimizer: Any) -> dict[str, int]:
+        groups: list[FlatGroup] = self.zero_groups
+        flats = [g.flat for g in groups if g.flat.untyped_storage().nbytes()]
+        params = flats + ([g.shard_param for g in groups] if self.stage == 3 else [])
+        grads = ([b.flat for b in self.reducer.buckets if b.flat.untyped_storage().nbytes()]
+                 + ([g.shard_grad for g in groups] if self.stage > 1 else []))
+        return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(grads),
+                "optimizer_state": state_bytes(optimizer)}
+
+    def close(self) -> None:
+        """As DataParallel's; at stage 3 the module first gets its full parameters back (a
+        collective: every rank must call close())."""
+        if self._release.alive and self.gatherer is not None:
+            self.gatherer.give_back()
+            self.gatherer = None
+        super().close()
+
+
+class _Orphaning:
+    """Stage 3's part of a wrapper dropped without close(): the shards go with it, so the
+    module's parameters have no values; every use of them is made an error."""
+
+    def __init__(self, gatherer: Gatherer) -> None:
+        self.gatherer = gatherer
+
+    def release(self) -> None:
+        if self.gatherer.managing:
+            self.gatherer.remove_hooks()
+            guard_orphans(self.gatherer.owners, self.gatherer.groups)
+
+
+@dataclass
+class ShardConfig:
+    """ZeRO as a training mode: gradients averaged every step, model state sharded."""
+
+    mode: ClassVar[str] = "shard"
+    stage: int = 3
+    """1 (optimizer state sharded), 2 (and gradients) or 3 (and parameters)."""
+    bucket_mb: float | None = None
+    """The gradient bucket cap at stages 1-2 (None: DataParallel's default)."""
+    find_unused: bool = False
+    """Allow parameters that get no gradient on some steps."""
+    nonfinite: str = "error"
+    """What a NaN or inf in some rank's gradient does (see SyncConfig)."""
+
+    def validate(self) -> None:
+        if self.stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
+        check_mode(self.nonfinite)
+
+    def build(self, module: nn.Module) -> ShardedDataParallel:
+        return shard(module, self.stage, bucket_mb=self.bucket_mb,
+                     find_unused=self.find_unused, nonfinite=self.nonfinite)
+
+
+def shard(module: nn.Module, stage: int = 3, **kwargs: Any) -> ShardedDataParallel:
+    """Data parallelism with ZeRO `stage` applied to `module` (see ShardedDataParallel)."""
+    return ShardedDataParallel(module, stage, **kwargs)

@@ -1,0 +1,341 @@
+"""ZeRO: shard what every rank would otherwise hold in full (Rajbhandari et al. 2020).
+
+Per rank, with Adam in fp32, model state costs 16 bytes per parameter: 4 parameter, 4
+gradient, 8 optimizer state. ZeRO splits it over N ranks:
+
+    stage 1: optimizer state sharded          4 + 4 + 8/N
+    stage 2: ... and gradients                4 + (4 + 8)/N
+    stage 3: ... and parameters                   16/N
+
+The unit of sharding is a *flat group*: some parameters laid end to end in one buffer,
+padded to a multiple of N, rank r owning elements [r*S/N, (r+1)*S/N). For stages 1 and 2
+the groups are the gradient buckets (so a bucket's shard of gradients lines up with its
+shard of parameters); for stage 3 they are units of the model -- by default each module
+that owns parameters, i.e. a layer.
+
+- Stage 1: gradients are all-reduced as usual; each rank steps its shard (the optimizer
+  only ever sees shards), then the shards are all-gathered back into the parameters.
+- Stage 2: each bucket is reduce-scattered as soon as it fills; its full gradient buffer is
+  freed after, so no rank keeps the whole gradient.
+- Stage 3: parameters exist only as shards. A unit is all-gathered just before its forward
+  (and the next unit prefetched) and freed right after; gathered again when backward
+  reaches it, and freed once its gradients are reduce-scattered. "Freed" means the flat
+  buffer's storage shrinks to nothing: the parameters stay views of it, so autograd's
+  saved references remain valid for the moment it is refilled.
+
+The optimizer is any element-wise torch.optim class over the shards (`make_optimizer`);
+optimizers that need whole tensors (LARS, LAMB: their trust ratio is a per-tensor norm)
+are refused. Gradient clipping by the global norm sums squares over shards, then across
+ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.replication.buckets import (
+    BucketSpec,
+    ParamSlot,
+    plan_buckets,
+    reverse_registration_order,
+)
+from lockstep.replication.reduction import Bucket, Done, Handle, Reduction
+
+
+def padded(numel: int, world_size: int) -> int:
+    return numel + (-numel) % world_size
+
+
+def shard_range(padded_numel: int, rank: int, world_size: int) -> slice:
+    size = padded_numel // world_size
+    return slice(rank * size, (rank + 1) * size)
+
+
+# ---- the flat groups: where parameters live -------------------------------------------------
+
+
+@dataclass
+class FlatGroup:
+    """Parameters laid end to end in one padded buffer, and this rank's shard of it."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    offsets: list[int]
+    numel: int
+    padded_numel: int
+    shard: slice
+    flat: torch.Tensor = field(repr=False)       # the full buffer (stage 3: on demand)
+    shard_param: nn.Parameter = field(repr=False)  # what the optimizer steps
+    shard_grad: torch.Tensor = field(repr=False)   # the shard's averaged gradient
+    gathered: bool = True
+    pending: Any = None                             # an all-gather in flight (prefetch)
+
+    def materialize(self) -> None:
+        """Give the full buffer its memory back (contents undefined until gathered)."""
+        storage = self.flat.untyped_storage()
+        nbytes = self.padded_numel * self.flat.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+
+    def start_gather(self, what: str, process_group: comm.Group) -> comm.Pending:
+        """Bring the full buffer back and start filling it from every rank's shard. The
+        own shard is copied in first, so a gather left in flight never sees it stepped."""
+        self.materialize()
+        self.flat[self.shard].copy_(self.shard_param.detach())
+        return comm.gather_shards_async(self.flat, what, process_group)
+
+    def finish_prefetch(self) -> None:
+        """Wait for the gather in flight: the full buffer is whole then."""
+        self.pending.wait()
+        self.pending = None
+        self.gathered = True
+
+    def release(self) -> None:
+        """Shrink the full buffer to nothing; the parameters stay views of it."""
+        self.flat.untyped_storage().resize_(0)
+        self.gathered = False
+
+
+def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
+               sharded_params: bool) -> FlatGroup:
+    """Move `named` parameters into one flat buffer (they become views of it)."""
+    numel = sum(p.numel() for _, p in named)
+    full = padded(numel, world_size)
+    first = named[0][1]
+    flat = torch.zeros(full, dtype=first.dtype, device=first.device)
+    offsets, offset = [], 0
+    for _, p in named:
+        offsets.append(offset)
+        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    mine = shard_range(full, rank, world_size)
+    # Stage 3 keeps the shard in its own memory (the full buffer comes and goes);
+    # stages 1-2 step the shard in place inside the always-present full buffer.
+    shard_data = flat[mine].clone() if sharded_params else flat[mine]
+    shard_param = nn.Parameter(shard_data)
+    return FlatGroup(index, [p for _, p in named], [n for n, _ in named], offsets, numel, full,
+                     mine, flat, shard_param, torch.zeros_like(shard_data))
+
+
+# ---- units for stage 3 -----------------------------------------------------------------------
+
+
+def plan_units(module: nn.Module, is_unit: Callable[[nn.Module], bool] | None = None
+               ) -> list[list[str]]:
+    """Parameter names grouped into stage-3 units, in registration order.
+
+    A parameter belongs to its topmost ancestor (below the root) that `is_unit` accepts --
+    by default a module owning trainable parameters itself, i.e. a layer -- so a layer that
+    reads its children's weights directly (nn.MultiheadAttention reads out_proj.weight
+    without calling out_proj) is gathered whole. Parameters under no unit go to the root's
+    unit; a shared parameter to the first module that owns it."""
+    is_unit = is_unit or (lambda m: any(p.requires_grad for p in m.parameters(recurse=False)))
+    seen: set[int] = set()
+    units: dict[str, list[str]] = {}
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            if id(param) in seen or not param.requires_grad:
+                continue
+            seen.add(id(param))
+            owner = _nearest_unit(module, module_name, is_unit)
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            units.setdefault(owner, []).append(full)
+    return list(units.values())
+
+
+def _nearest_unit(root: nn.Module, name: str, is_unit: Callable[[nn.Module], bool]) -> str:
+    """The shallowest module on the path to `name` that is a unit; "" (the root) if none."""
+    parts = name.split(".") if name else []
+    for depth in range(1, len(parts) + 1):
+        candidate = ".".join(parts[:depth])
+        if is_unit(root.get_submodule(candidate)):
+            return candidate
+    return ""
+
+
+# ---- the reducer side: how each group's gradient is reduced ----------------------------------
+
+
+class ShardedReduction(Reduction):
+    """ZeRO's way for a bucket to travel: the buckets are the flat groups (a fixed plan,
+    padded to split evenly), reduced by all-reduce (stage 1) or reduce-scatter into this
+    rank's shard (2, 3), whose full buffers exist only while being reduced (2, 3)."""
+
+    name = "zero"
+
+    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
+        self.groups, self.stage, self.group = groups, stage, group
+        self.world_size = comm.size_of(group)
+        self.specs = [BucketSpec(str(g.flat.dtype), tuple(range(_first(groups, g),
+                                                               _first(groups, g) + len(g.params))),
+                                 tuple(g.offsets), g.numel) for g in groups]
+        self.on_reduced: Callable[[int], None] | None = None  # stage 3: free the unit
+        self.on_step_end: Callable[[], None] | None = None    # stage 3: free them all
+
+    def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
+             first_cap_bytes: int) -> list[BucketSpec]:
+        return list(self.specs)  # the layout of the sharded parameters: never rebuilt
+
+    def buffer_numel(self, spec: BucketSpec) -> int:
+        return padded(spec.numel, self.world_size)
+
+    def materialize(self, bucket: Bucket) -> None:
+        """Give a freed gradient bucket its memory back before a gradient lands in it. The
+        padding past its parameters must be zero: it is summed into the shards, where the
+        gradient norm (and the optimizer) would otherwise see whatever memory held."""
+        storage = bucket.flat.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(bucket.flat.numel() * bucket.flat.element_size())
+            bucket.flat[bucket.spec.numel:].zero_()
+
+    def release(self, bucket: Bucket) -> None:
+        if self.stage >= 2:  # no rank keeps a full gradient bucket between reductions
+            bucket.flat.untyped_storage().resize_(0)
+
+    def start(self, bucket: Bucket) -> Handle:
+        index = bucket.index  # the plan is these groups, in order
+        if self.stage == 1:
+            return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
+        target = self.groups[index]
+        incoming = torch.empty_like(target.shard_grad)
+        comm.reduce_scatter(incoming, bucket.flat, f"reduce-scatter of {bucket.label}",
+                            self.group)
+        target.shard_grad.add_(incoming)  # accumulates across backwards until zero_grad
+        for param in bucket.params:
+            param.grad = None
+        self.release(bucket)
+        if self.on_reduced is not None:
+            self.on_reduced(index)
+        return Done()
+
+    def finish(self, buckets: Sequence[Bucket]) -> None:
+        """What the optimizer steps is each shard's averaged gradient: at stage 1 a view of
+        the averaged bucket; from stage 2 on, the accumulated reduce-scatters."""
+        for group, bucket in zip(self.groups, buckets, strict=True):
+            if self.stage == 1:
+                group.shard_grad = bucket.flat[group.shard]
+            group.shard_param.grad = group.shard_grad
+        if self.on_step_end is not None:
+            self.on_step_end()
+
+    def drop_step(self, buckets: Sequence[Bucket]) -> None:
+        """A step dropped for a non-finite gradient: the optimizer skips shards without a
+        gradient (`finish` gives them back next time)."""
+        for group in self.groups:
+            group.shard_param.grad = None
+
+
+def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
+    """Index of `group`'s first parameter in the reducer's parameter list."""
+    return sum(len(g.params) for g in groups[: group.index])
+
+
+# ---- the optimizer -----------------------------------------------------------------------------
+
+
+class ZeroOptimizer:
+    """A torch optimizer over this rank's shards, and what to do around its step.
+
+    Behaves like the optimizer it wraps: step(), zero_grad(), param_groups (so learning-rate
+    schedulers work), state_dict()/load_state_dict() (of this rank's shards; see
+    zero.sharded_state_dict for checkpoints that reshard)."""
+
+    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
+                 make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.groups, self.stage, self.group = groups, stage, group
+        self.inner = make([g.shard_param for g in groups])
+        if getattr(self.inner, "needs_whole_tensors", False):
+            raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
+                             "each parameter whole (its trust ratio is a per-tensor norm); "
+                             "use it without sharding (lockstep.DataParallel)")
+        for g in groups:  # what the optimizer (and a loss scaler) sees as the gradient
+            g.shard_param.grad = g.shard_grad
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.inner.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.groups:
+            if self.stage > 1:  # reduce-scatters accumulate into the shard
+                g.shard_grad.zero_()
+            for p in g.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the norm over every rank's shards: the global gradient norm."""
+        squares = comm.control_tensor([0.0], self.group, torch.float64)
+        for g in self.groups:
+            squares += g.shard_grad.double().square().sum()
+        comm.all_reduce(squares, "ZeRO: sum of squared gradient shards", self.group)
+        norm = squares.sqrt().item()
+        if norm > max_norm:
+            for g in self.groups:
+                g.shard_grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:
+        self.inner.step(closure)
+        if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
+            self.gather_params("all-gather")
+
+    def gather_params(self, what: str) -> None:
+        """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
+        rank's slice of `flat` already; all gathers launched, then waited, so the backend
+        may run them side by side."""
+        gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
+                                            self.group) for g in self.groups]
+        for work in gathers:
+            work.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+# ---- building it ----------------------------------------------------------------------------
+
+
+def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_bytes: int,
+                 first_bucket_bytes: int,
+                 unit: Callable[[nn.Module], bool] | None = None) -> list[FlatGroup]:
+    """Lay the trainable parameters out in flat groups: buckets (stages 1-2) or units (3).
+    Groups are in the order gradients become ready (reverse registration)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    by_name = dict(named)
+    rank, world_size = comm.rank_of(group), comm.size_of(group)
+    if stage == 3:
+        layout = [names for names in reversed(plan_units(module, unit))]
+        layout = [list(reversed(names)) for names in layout]
+    else:
+        slots = [ParamSlot(i, p.numel(), str(p.dtype), p.element_size())
+                 for i, (_, p) in enumerate(named)]
+        order = reverse_registration_order(len(named))
+        specs = plan_buckets([slots[i] for i in order], bucket_cap_bytes, first_bucket_bytes)
+        layout = [[named[i][0] for i in spec.param_indices] for spec in specs]
+    return [_new_group(k, [(n, by_name[n]) for n in names], rank, world_size,
+                       sharded_params=stage == 3) for k, names in enumerate(layout)]
+
+
+def reducer_params(groups: list[FlatGroup]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters in group order: the Reducer's list, so Sharding's plan indexes it."""
+    return [(n, p) for g in groups for n, p in zip(g.names, g.params, strict=True)]

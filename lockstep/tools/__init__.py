@@ -1,0 +1,6 @@
+"""Tools beside the training path: the emulated cluster (cluster.py), the cost model
+(costmodel.py) and the benchmarks' helpers (bench.py)."""
+
+from lockstep.lazy import submodules_on_demand
+
+__getattr__ = submodules_on_demand(__name__)  # lockstep.<package>.<module>, unimported

@@ -1,0 +1,294 @@
+"""An emulated cluster on one machine: K "hosts" as Linux network namespaces on a bridge,
+each host's link rate-limited with `tc tbf`, so multi-host jobs and slow networks can be
+run and measured for real.
+
+    with Cluster(hosts=2, bandwidth="100mbit") as cluster:
+        cluster.run([["lockstep", "run", "-n", "2", ...], [...]])  # one command per host
+
+    lockstep cluster --hosts 2 --bandwidth 1gbit -- lockstep run -n 2 --nnodes 2 \\
+        --node-rank {host} --rdzv-endpoint {host0}:29400 train.py
+
+Each host has its own network stack: processes on one host reach each other over their own
+loopback (fast, like a real machine), and other hosts over their link (shaped in both
+directions). Everything is torn down on every exit path -- a failing command, an exception,
+Ctrl-C or SIGTERM. Needs root (CAP_NET_ADMIN) and iproute2; `cluster_available()` says
+whether this machine can make one, and why not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import IO
+
+from lockstep.logs import get_logger
+
+log = get_logger(__name__)
+
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
+_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'100mbit' -> 1e8 bits per second."""
+    match = _RATE.match(text.strip().lower())
+    if not match:
+        raise ValueError(f"bandwidth {text!r}: give a rate like 100mbit, 1gbit or 10gbit")
+    return float(match.group(1)) * _BITS[match.group(2)]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def cluster_available() -> str | None:
+    """None if network namespaces can be made here; otherwise the reason they cannot."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    probe = f"lockstep-probe-{secrets.token_hex(3)}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Cluster:
+    """K emulated hosts. Use as a context manager: created on enter, removed on exit."""
+
+    hosts: int = 2
+    bandwidth: str | None = "1gbit"
+    """Per-host link rate in each direction ("100mbit", "1gbit", ...); None: unshaped."""
+    tag: str = field(default_factory=lambda: secrets.token_hex(2))
+    """Short id in every interface and namespace name, so clusters do not collide."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.hosts <= 250:
+            raise ValueError(f"hosts must be 1..250, got {self.hosts}")
+        self.rate_bps = parse_bandwidth(self.bandwidth) if self.bandwidth else None
+        # 10.213.x.0/24 with x from the tag: distinct clusters get distinct subnets.
+        self.subnet = f"10.213.{int(self.tag, 16) % 250}"
+        self.bridge = f"lsb{self.tag}"
+        self._made: list[str] = []  # what exists, for teardown
+
+    # ---- names ----------------------------------------------------------------------
+
+    def netns(self, host: int) -> str:
+        return f"lockstep-{self.tag}-h{host}"
+
+    def interface(self, host: int) -> str:
+        """The host's network interface inside its namespace (GLOO_SOCKET_IFNAME)."""
+        return f"lsv{self.tag}n{host}"
+
+    def address(self, host: int) -> str:
+        return f"{self.subnet}.{host + 1}"
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        reason = cluster_available()
+        if reason is not None:
+            raise RuntimeError(f"cannot build an emulated cluster: {reason}")
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous in (signal.SIG_DFL, None):  # SIGTERM should unwind through __exit__
+            signal.signal(signal.SIGTERM, _raise_system_exit)
+        try:
+            self._create()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
+
+    def _create(self) -> None:
+        _ip("link", "add", self.bridge, "type", "bridge")
+        self._made.append(f"link:{self.bridge}")
+        _ip("link", "set", self.bridge, "up")
+        for host in range(self.hosts):
+            self._create_host(host)
+        log.info("cluster %s: %d hosts on %s.0/24, links %s", self.tag, self.hosts, self.subnet,
+                 self.bandwidth or "unshaped")
+
+    def _create_host(self, host: int) -> None:
+        ns, inside, outside = self.netns(host), self.interface(host), f"lsv{self.tag}h{host}"
+        _ip("netns", "add", ns)
+        self._made.append(f"netns:{ns}")
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        self._made.append(f"link:{outside}")
+        _ip("link", "set", inside, "netns", ns)
+        _ip("link", "set", outside, "master", self.bridge)
+        _ip("link", "set", outside, "up")
+        _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", inside)
+        _ip("-n", ns, "link", "set", inside, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        if self.rate_bps:  # shape both directions: what the host sends and what it receives
+            self._shape(["ip", "netns", "exec", ns], inside)
+            self._shape([], outside)
+
+    def _shape(self, prefix: list[str], device: str) -> None:
+        assert self.rate_bps is not None
+        # The bucket must hold at least one timer tick of traffic at this rate.
+        burst = max(64 * 1024, int(self.rate_bps / 8 / 100))
+        subprocess.run([*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate",
+                        str(self.bandwidth), "burst", str(burst), "latency", "50ms"],
+                       check=True, capture_output=True, text=True)
+
+    def teardown(self) -> None:
+        """Kill every process left in the hosts and delete every link and namespace made.
+        Safe to call twice; each step is attempted even if an earlier one fails."""
+        for item in reversed(self._made):
+            kind, name = item.split(":", 1)
+            if kind == "netns":
+                self._kill_inside(name)
+                _ip("netns", "del", name, check=False)
+            else:
+                _ip("link", "del", name, check=False)
+        self._made.clear()
+
+    @staticmethod
+    def _kill_inside(ns: str) -> None:
+        pids = _ip("netns", "pids", ns, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    # ---- running commands -------------------------------------------------------------
+
+    def env(self, host: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment for a process on `host`: Gloo bound to the host's link."""
+        return {**os.environ, "GLOO_SOCKET_IFNAME": self.interface(host),
+                "LOCKSTEP_HOST": str(host), "LOCKSTEP_HOST0": self.address(0), **(extra or {})}
+
+    def popen(self, host: int, command: Sequence[str], extra_env: dict[str, str] | None = None,
+              **kwargs: object) -> subprocess.Popen[str]:
+        return subprocess.Popen(["ip", "netns", "exec", self.netns(host), *command],
+                                env=self.env(host, extra_env), text=True, **kwargs)  # type: ignore[call-overload]
+
+    def run(self, commands: Sequence[Sequence[str]], timeout: float = 600.0,
+            extra_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
+        """Run commands[i] on host i, all at once; wait for all. If one fails, the others
+        are stopped (a job cannot finish without a host). Placeholders as in `expand`."""
+        if len(commands) != self.hosts:
+            raise ValueError(f"{len(commands)} commands for {self.hosts} hosts")
+        procs = [self.popen(h, self.expand(cmd, h), extra_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE) for h, cmd in enumerate(commands)]
+        return _wait_all(procs, timeout)
+
+    def stream(self, commands: Sequence[Sequence[str]], timeout: float = 600.0,
+               extra_env: dict[str, str] | None = None) -> list[int]:
+        """Like `run`, but every host's output is printed as it comes, each line prefixed
+        by its host (`[host 1] ...`), stdout to stdout and stderr to stderr, the hosts
+        interleaved. Returns the exit codes. Python output is unbuffered so lines come live."""
+        if len(commands) != self.hosts:
+            raise ValueError(f"{len(commands)} commands for {self.hosts} hosts")
+        env = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"), **(extra_env or {})}
+        procs = [self.popen(h, self.expand(cmd, h), env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, bufsize=1) for h, cmd in enumerate(commands)]
+        lock = threading.Lock()  # one line at a time: hosts interleave by line, never mid-line
+        pumps = [threading.Thread(target=_pump, args=(pipe, f"[host {h}] ", sink, lock),
+                                  daemon=True)
+                 for h, p in enumerate(procs)
+                 for pipe, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
+        for pump in pumps:
+            pump.start()
+        try:
+            _supervise(procs, timeout)
+            for p in procs:
+                p.wait(timeout=30)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for pump in pumps:
+                pump.join(timeout=5)
+        return [p.returncode for p in procs]
+
+    def run_job(self, nproc: int, script: str, args: Sequence[str], port: int = 29400,
+                timeout: float = 1800.0) -> list[subprocess.CompletedProcess[str]]:
+        """Run one `lockstep run` job over every host: `nproc` workers each, rendezvous on
+        host 0. Returns each host's launcher result."""
+        job = [sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(nproc), "--nnodes",
+               str(self.hosts), "--node-rank", "{host}", "--rdzv-endpoint",
+               f"{{host0}}:{port}", "--local-addr", "{addr}", script, *args]
+        return self.run([job] * self.hosts, timeout=timeout)
+
+    def expand(self, command: Sequence[str], host: int) -> list[str]:
+        """Fill in `{host}` (this host's index), `{addr}` (its address) and `{host0}`
+        (host 0's address, where a rendezvous can live)."""
+        return [part.replace("{host}", str(host)).replace("{addr}", self.address(host))
+                .replace("{host0}", self.address(0)) for part in command]
+
+
+def _supervise(procs: list[subprocess.Popen[str]], timeout: float) -> None:
+    """Wait until all have exited; when one fails or time runs out, stop the rest."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        failed = any(p.returncode not in (None, 0) for p in procs)
+        if failed or time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            return
+        time.sleep(0.05)
+
+
+def _pump(pipe: IO[str] | None, prefix: str, sink: IO[str], lock: threading.Lock) -> None:
+    assert pipe is not None
+    for line in pipe:
+        with lock:
+            sink.write(prefix + line)
+            sink.flush()
+
+
+def _wait_all(procs: list[subprocess.Popen[str]], timeout: float
+              ) -> list[subprocess.CompletedProcess[str]]:
+    try:
+        _supervise(procs, timeout)
+        outputs = [p.communicate(timeout=30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
+            for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lockstep cluster --hosts K --bandwidth R -- COMMAND...`: run COMMAND on every host."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lockstep cluster", description=main.__doc__)
+    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (default 2)")
+    parser.add_argument("--bandwidth", default="1gbit",
+                        help="per-host link rate in each direction, e.g. 100mbit, 1gbit, or "
+                        "'none' for unshaped (default 1gbit)")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="run on every host; {host}, {addr} and {host0} are filled in")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("give a command to run on every host, after --")
+    bandwidth = None if args.bandwidth == "none" else args.bandwidth
+    with Cluster(args.hosts, bandwidth) as cluster:
+        codes = cluster.stream([command] * args.hosts)
+    return max(codes, key=abs, default=0)

@@ -1,0 +1,229 @@
+"""What a checkpoint's tensor files hold, and filling live state from them at any world size.
+
+Each rank writes one file, `tensors-rank{r}.safetensors` (lockstep.training.tensorfile): its pieces
+of every sharded tensor (the local shards of a ShardedTensor, see lockstep.sharding.reshard) and, on
+rank 0, every whole tensor (the same on every rank, so one copy is enough) and every plain
+value (an optimizer's hyperparameters) as JSON in the header. A piece is a range
+[start, start + numel) of its flattened global tensor. Loading walks the *target* state --
+whole tensors, or this rank's shards, as views into the live model and optimizer -- and
+copies in whatever pieces overlap each one, so a checkpoint written at stage 3 on 3 ranks
+loads at stage 1 on 2, as with torch.distributed.checkpoint, but from files that hold only
+numbers and JSON.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+from lockstep.training import tensorfile
+from lockstep.training.tensorfile import Entry, FormatError, Header
+
+TENSORS = "tensors-rank{}.safetensors"
+_PIECES, _VALUES, _RANKS = "lockstep.pieces", "lockstep.values", "lockstep.ranks"
+_MAX_RANKS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One value of a nested state dict, and where it sits (to replace a plain value)."""
+
+    key: str
+    container: Any
+    slot: Any
+    value: Any
+
+
+def leaves(tree: Any, path: tuple[str, ...] = ()) -> Iterator[Leaf]:
+    """Every tensor and plain value in nested dicts (and lists of dicts, as an optimizer's
+    param_groups), keyed by its path joined with '/'."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree)
+    for slot, value in items:
+        here = (*path, str(slot))
+        if isinstance(value, dict) or (isinstance(value, list) and any(
+                isinstance(v, (dict, torch.Tensor)) for v in value)):
+            yield from leaves(value, here)
+        else:
+            yield Leaf("/".join(p.replace("%", "%25").replace("/", "%2F") for p in here),
+                       tree, slot, value)
+
+
+# ---- writing ---------------------------------------------------------------------------
+
+
+def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int) -> None:
+    """This rank's file: its shards; on rank 0 also the whole tensors and plain values."""
+    tensors: dict[str, torch.Tensor] = {}
+    pieces: dict[str, list[Any]] = {}
+    values: dict[str, Any] = {}
+    for leaf in leaves(bundle):
+        if isinstance(leaf.value, ShardedTensor):
+            for shard in leaf.value.local_shards():
+                if shard.tensor.dim() != 1 or leaf.key in tensors:
+                    raise TypeError(f"checkpoint: {leaf.key} is sharded other than as one "
+                                    "1-D piece per rank (lockstep.sharding.reshard's layout)")
+                tensors[leaf.key] = shard.tensor
+                pieces[leaf.key] = [list(leaf.value.size()), shard.metadata.shard_offsets[0]]
+        elif isinstance(leaf.value, torch.Tensor):
+            if rank == 0:
+                tensors[leaf.key], pieces[leaf.key] = leaf.value, [list(leaf.value.shape), 0]
+        elif rank == 0:
+            values[leaf.key] = _plain(leaf.key, leaf.value)
+    metadata = {_PIECES: json.dumps(pieces)}
+    if rank == 0:
+        metadata.update({_VALUES: json.dumps(values), _RANKS: str(world_size)})
+    tensorfile.write(path, tensors, metadata)
+
+
+def _plain(key: str, value: Any) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"checkpoint: {key} = {value!r} is neither a tensor nor plain data "
+                        "(numbers, strings, lists); a checkpoint holds nothing else") from None
+    return value
+
+
+# ---- reading ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + entry.numel) of the flattened global tensor of `shape`."""
+
+    path: Path
+    entry: Entry
+    start: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Every piece of every tensor in a checkpoint's files, and its plain values."""
+
+    pieces: dict[str, list[Piece]]
+    values: dict[str, Any]
+
+
+def catalog(folder: Path) -> Catalog:
+    """Read and check every tensor file's header (not the data). Raises FormatError
+    naming the file and what is wrong with it."""
+    first = _header(folder / TENSORS.format(0))
+    ranks = first.metadata.get(_RANKS, "")
+    if not ranks.isdigit() or not 0 < int(ranks) <= _MAX_RANKS:
+        raise FormatError(f"{first.path}: {_RANKS} is {ranks!r}, not a number of ranks")
+    values = _json(first, _VALUES)
+    pieces: dict[str, list[Piece]] = {}
+    for rank in range(int(ranks)):
+        header = first if rank == 0 else _header(folder / TENSORS.format(rank))
+        described = _json(header, _PIECES)
+        if set(described) != set(header.entries):
+            raise FormatError(f"{header.path}: its pieces and its tensors differ")
+        for key, spec in described.items():
+            pieces.setdefault(key, []).append(_piece(header, key, spec))
+    for key, found in pieces.items():
+        _check_disjoint(key, found)
+    return Catalog(pieces, values)
+
+
+def _header(path: Path) -> Header:
+    if not path.is_file():
+        raise FormatError(f"{path} is missing")
+    return tensorfile.read_header(path)
+
+
+def _json(header: Header, name: str) -> dict[str, Any]:
+    try:
+        value = json.loads(header.metadata.get(name, ""),
+                           object_pairs_hook=tensorfile.no_duplicates)
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise FormatError(f"{header.path}: its {name} is not a JSON object")
+    return value
+
+
+def _piece(header: Header, key: str, spec: Any) -> Piece:
+    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], list)
+            and all(tensorfile.natural(v) for v in [*spec[0], spec[1]])):
+        raise FormatError(f"{header.path}: piece {key!r} is described as {spec!r}")
+    piece = Piece(header.path, header.entries[key], spec[1], tuple(spec[0]))
+    if piece.start + piece.entry.numel > math.prod(piece.shape):
+        raise FormatError(f"{header.path}: piece {key!r} lies outside its tensor")
+    return piece
+
+
+def _check_disjoint(key: str, pieces: list[Piece]) -> None:
+    """One shape and dtype per tensor, and no element written twice."""
+    pieces.sort(key=lambda p: p.start)
+    end = 0
+    for piece in pieces:
+        if (piece.shape, piece.entry.dtype) != (pieces[0].shape, pieces[0].entry.dtype):
+            raise FormatError(f"{piece.path}: {key!r} disagrees with {pieces[0].path} on its "
+                              "shape or dtype")
+        if piece.start < end:
+            raise FormatError(f"{piece.path}: {key!r} overlaps another rank's piece")
+        end = piece.start + piece.entry.numel
+
+
+# ---- loading into live state -------------------------------------------------------------
+
+
+def fill(bundle: dict[str, Any], found: Catalog) -> None:
+    """Copy the checkpoint into `bundle`'s tensors (views into the live state) in place, and
+    replace its plain values. Raises ValueError when the checkpoint lacks what it needs."""
+    with contextlib.ExitStack() as stack:
+        files: dict[Path, io.BufferedReader] = {}
+
+        def open_file(path: Path) -> io.BufferedReader:
+            if path not in files:
+                files[path] = stack.enter_context(open(path, "rb"))
+            return files[path]
+
+        for leaf in list(leaves(bundle)):
+            if isinstance(leaf.value, ShardedTensor):
+                for shard in leaf.value.local_shards():
+                    _fill(found, leaf.key, tuple(leaf.value.size()),
+                          shard.metadata.shard_offsets[0], shard.tensor, open_file)
+            elif isinstance(leaf.value, torch.Tensor):
+                _fill(found, leaf.key, tuple(leaf.value.shape), 0, leaf.value, open_file)
+            elif leaf.key in found.values:
+                saved = found.values[leaf.key]  # JSON has no tuples: keep the live kind
+                tuple_like = isinstance(leaf.value, tuple) and isinstance(saved, list)
+                leaf.container[leaf.slot] = tuple(saved) if tuple_like else saved
+            else:
+                raise ValueError(f"the checkpoint has no value for {leaf.key}")
+
+
+@torch.no_grad()
+def _fill(found: Catalog, key: str, shape: tuple[int, ...], start: int, dest: torch.Tensor,
+          open_file: Any) -> None:
+    """Fill `dest`, elements [start, start + dest.numel()) of tensor `key`, from the pieces."""
+    pieces = found.pieces.get(key)
+    if not pieces:
+        raise ValueError(f"the checkpoint has no tensor {key}")
+    if pieces[0].shape != shape:
+        raise ValueError(f"{key} has shape {list(pieces[0].shape)} in the checkpoint and "
+                         f"{list(shape)} here")
+    count = dest.numel()
+    values = torch.empty(count, dtype=dest.dtype)
+    covered = 0
+    for piece in pieces:
+        lo, hi = max(start, piece.start), min(start + count, piece.start + piece.entry.numel)
+        if hi > lo:
+            values[lo - start:hi - start] = tensorfile.read(open_file(piece.path), piece.entry,
+                                                            lo - piece.start, hi - lo)
+            covered += hi - lo
+    if covered != count:
+        raise ValueError(f"the checkpoint holds {covered} of the {count} values of {key} "
+                         "this rank needs")
+    dest.copy_(values.view(dest.shape))

@@ -1,0 +1,163 @@
+"""A run's checkpoints: when one is due, writing it, and picking a run up from one.
+
+A checkpoint holds the model and optimizer (checkpoint.py's format: any world size, any
+ZeRO stage), the run's position (`RunState`: epoch, step in it, global step) with the
+sampler's state, the learning-rate scheduler, the loss scaler and the config. Resuming
+refuses a checkpoint of another run (another global batch, dataset or data order): it would
+repeat or skip samples.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lockstep import comm
+from lockstep.comm.world import World
+from lockstep.training import checkpoint, jobnote
+from lockstep.training.sampler import ShardedSampler
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and what a run resumes from."""
+
+    every_steps: int | None = None
+    """Write a checkpoint every this many steps; None: at the end of every epoch."""
+    keep: int = 3
+    """How many recent checkpoints to keep."""
+    resume: str = "auto"
+    """"auto": continue from the newest valid checkpoint in run_dir, if any; "never": start
+    fresh; or the path of a checkpoint folder."""
+
+    def validate(self) -> None:
+        if self.resume not in ("auto", "never") and not Path(self.resume).is_dir():
+            raise ValueError(f"resume={self.resume!r}: not 'auto', 'never' or a folder")
+        if self.keep < 1 or (self.every_steps is not None and self.every_steps < 1):
+            raise ValueError(f"checkpoint keep must be >= 1 and every_steps >= 1 or None; got "
+                             f"{self.keep} and {self.every_steps}")
+
+
+@dataclass
+class RunState:
+    """Where training is: what callbacks see and what a checkpoint records."""
+
+    epoch: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    last_loss: float = float("nan")
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Checkpoints:
+    """The checkpoints of one run, in `run_dir/checkpoints`."""
+
+    config: CheckpointConfig
+    root: Path
+    world: World
+    model: Any            # the parallel model (trainer.Replica)
+    optimizer: Any
+    sampler: ShardedSampler
+    global_batch: int
+    steps_per_epoch: int
+    record: Callable[[], dict[str, Any]]  # the run's config, as JSON
+    seed: int = 0
+    scheduler: Any = None
+    scaler: Any = None
+    seconds: float = 0.0  # spent writing, left out of the throughput
+
+    def due(self, state: RunState, epoch_done: bool, total_steps: int) -> bool:
+        if not self.model.in_sync():  # replicas differ mid-round: wait for its end
+            return False
+        every, step = self.config.every_steps, state.global_step
+        if every is None:
+            return epoch_done or step == total_steps
+        return step % every == 0 or step == total_steps
+
+    def sampler_state(self, state: RunState) -> dict[str, Any]:
+        return {**self.sampler.state_dict(), "epoch": state.epoch,
+                "position": state.step_in_epoch * self.global_batch}
+
+    def save(self, state: RunState) -> Path:
+        started = time.perf_counter()
+        saved = {"epoch": state.epoch, "step_in_epoch": state.step_in_epoch,
+                 "global_step": state.global_step, "global_batch_size": self.global_batch,
+                 "sampler": self.sampler_state(state), "history": state.history,
+                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                 "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "config": self.record()}
+        folder = checkpoint.save(self.root, state.global_step, self.model.checkpoint_model(),
+                                 self.optimizer, saved, self.config.keep,
+                                 self.model.checkpoint_tensors())
+        self.seconds += time.perf_counter() - started
+        if self.world.is_main:
+            jobnote.checkpoint_written(folder, self.config.resume == "auto")  # for Ctrl-C
+        return folder
+
+    def restore(self, total_steps: int) -> RunState:
+        """Seed a fresh run, or restore one from its checkpoint; returns where it stands."""
+        torch.manual_seed(self.seed * 1000 + self.world.rank)
+        folder = self._to_resume()
+        if folder is None:
+            return RunState()
+        saved = checkpoint.load(folder, self.model.checkpoint_model(), self.optimizer,
+                                self.model.checkpoint_tensors(),
+                                verified=self.config.resume == "auto")
+        self._check_resumable(folder, saved)
+        state = RunState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
+                         history=saved["history"])
+        if self.scheduler is not None and saved["scheduler"] is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if self.scaler is not None and saved.get("scaler") is not None:
+            self.scaler.load_state_dict(saved["scaler"])
+        self._announce(folder, state, saved, total_steps)
+        return state
+
+    def _announce(self, folder: Path, state: RunState, saved: dict[str, Any],
+                  total_steps: int) -> None:
+        if not self.world.is_main:
+            return
+        if state.global_step >= total_steps:
+            print(f"run already complete at step {state.global_step} ({folder}); nothing to "
+                  "train. To train again, use a new run_dir.", flush=True)
+        else:
+            print(f"resumed from {folder} at step {state.global_step} (epoch {state.epoch}, "
+                  f"sample {saved['sampler']['position']} of it), written by "
+                  f"{saved['world_size']} rank(s)", flush=True)
+
+    def _to_resume(self) -> Path | None:
+        if self.world.is_main:  # partial checkpoints of a run that crashed mid-write
+            checkpoint.remove_stale(self.root)
+        if self.config.resume == "auto":
+            return checkpoint.latest_valid(self.root)
+        if self.config.resume != "never":
+            return Path(self.config.resume)
+        # Rank 0 looks, everyone hears: ranks that decided apart would part ways.
+        earlier = comm.broadcast_object(bool(checkpoint.list_checkpoints(self.root)), 0,
+                                        "trainer: agree whether run_dir holds checkpoints")
+        if earlier:
+            raise ValueError(f"rank {self.world.rank}: {self.root} holds checkpoints of an "
+                             "earlier run and resume='never' would mix them with this one; "
+                             "resume it (resume='auto'), or use another run_dir, or remove "
+                             "them")
+        return None
+
+    def _check_resumable(self, folder: Path, saved: dict[str, Any]) -> None:
+        """The checkpoint must describe this run: same global batch, same data, same order."""
+        here = {**self.sampler.state_dict(), "global_batch_size": self.global_batch}
+        then = {**saved["sampler"], "global_batch_size": saved["global_batch_size"]}
+        for key in ("global_batch_size", "dataset_len", "seed", "shuffle"):
+            if here[key] != then[key]:
+                raise ValueError(f"rank {self.world.rank}: checkpoint {folder} was written with "
+                                 f"{key}={then[key]!r}, this run has {here[key]!r}; resuming "
+                                 "would repeat or skip samples. Keep them equal to resume.")
+        if saved["step_in_epoch"] >= self.steps_per_epoch:
+            raise ValueError(f"rank {self.world.rank}: checkpoint {folder} is at step "
+                             f"{saved['step_in_epoch']} of an epoch that has only "
+                             f"{self.steps_per_epoch} steps here")

@@ -1,0 +1,77 @@
+"""What a run leaves behind for people: a progress bar, config.json, metrics.jsonl, the
+trackers asked for (TensorBoard by default, when installed; see trackers.py), and a PNG of
+the run (plots.py). Rank 0 only."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lockstep.logs import get_logger
+from lockstep.training.plots import plot_run, read_metrics
+from lockstep.training.trackers import Tracker, open_trackers
+
+log = get_logger(__name__)
+CONFIG = "config.json"
+
+__all__ = ["CONFIG", "RunLog", "plot_run", "read_metrics"]
+
+
+class RunLog:
+    """Records metrics for one run folder. Every method is a no-op off the main rank."""
+
+    def __init__(self, run_dir: Path, is_main: bool, total_steps: int, first_step: int,
+                 progress: bool = True, config: dict[str, Any] | None = None,
+                 trackers: tuple[str, ...] | list[str] = ("tensorboard",)) -> None:
+        self.run_dir, self.is_main = run_dir, is_main
+        self._bar: Any = None
+        self._trackers: list[Tracker] = []
+        self._jsonl: Any = None
+        if not is_main:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if config is not None:  # what this run was asked to do, next to what it did
+            (run_dir / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self._trackers = open_trackers(trackers, run_dir, config or {})
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
+                             dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
+
+    def record(self, kind: str, step: int, **values: float) -> None:
+        if not self.is_main:
+            return
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps({"kind": kind, "step": step, "time": time.time(),
+                                      **values}) + "\n")
+        self._jsonl.flush()
+        for tracker in self._trackers:
+            tracker.log(kind, step, values)
+
+    def progress(self, steps: int, **shown: str) -> None:
+        """Advance the bar by `steps`; new figures for its right-hand side, if given."""
+        if self._bar is not None:
+            if shown:
+                self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(steps)
+
+    def message(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=sys.stderr)
+        else:
+            log.info(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        for tracker in self._trackers:
+            tracker.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
