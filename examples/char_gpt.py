@@ -1,6 +1,6 @@
 """A small GPT learns the King James Bible character by character, data parallel.
 
-    lockstep run -n 2 examples/char_gpt.py          # 600 steps: ~5 minutes on 2 idle CPU cores
+    lockstep run -n 2 examples/char_gpt.py          # 600 steps: 5-7 minutes on 2 CPU cores
     lockstep run -n 2 examples/char_gpt.py --max-steps 2000 --out runs/char_gpt_long
     lockstep run -n 2 examples/char_gpt.py --set trainer.precision=bf16 --out runs/bf16
     lockstep run -n 2 examples/char_gpt.py --config runs/char_gpt/config.json --out runs/again
