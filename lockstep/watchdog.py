@@ -83,6 +83,7 @@ class Watchdog:
         self._responder = stacks.Responder()
         self._published: object = None
         self._desynced: set[str] = set()  # groups whose desync has been reported
+        self._patience = 0  # ticks waited for a desync's majority to show
 
     def configure(self, stall_after: float, timeout_s: float, backend: str) -> None:
         """Turn the watchdog on (stall_after > 0, more than one rank) or off, on this rank.
@@ -126,11 +127,15 @@ class Watchdog:
         mine = ledger.recent(key, HISTORY)
         if not mismatches(mine, read_published(store, [peer], key).get(peer, [])):
             return
+        members = ledger.members[key]
+        published = read_published(store, [r for r in members if r != rank], key)
+        judgement = judge(mine[-1][0], None, members, rank, mine, published)
+        assert judgement.desync is not None  # the neighbour's mismatch is among them
+        if len(judgement.desync[1]) < len(members) and self._patience < 2:
+            self._patience += 1  # a tick for every rank to publish, so a majority shows
+            return
         self._desynced.add(key)
         if _claim(store, f"desync/{key}"):
-            members = ledger.members[key]
-            published = read_published(store, [r for r in members if r != rank], key)
-            judgement = judge(mine[-1][0], None, members, rank, mine, published)
             log.warning("rank %d: %s. Training goes on only while the mismatched collectives "
                         "happen to fit each other: expect a hang or wrong results.",
                         rank, verdict(judgement, [], []))
