@@ -32,15 +32,14 @@ Entry = tuple[int, int, str]  # (number within its group, step issued in, label)
 class Record:
     """One collective (or point-to-point message) this rank started."""
 
-    __slots__ = ("done", "group", "issued", "label", "partner", "seq", "step", "thread",
-                 "warned", "work")
+    __slots__ = ("done", "group", "issued", "label", "partner", "seq", "step", "warned",
+                 "work")
 
     def __init__(self, group: str, seq: int | None, label: str, step: int,
                  partner: int | None) -> None:
         self.group, self.seq, self.label, self.step = group, seq, label, step
         self.partner = partner  # the global rank at the other end of a send/recv
         self.issued = time.monotonic()
-        self.thread = threading.get_ident()
         self.work: Any = None  # the backend's handle while an async collective is in flight
         self.done = False
         self.warned = 0  # how many warnings the watchdog gave about it (0, 1: stall, 2: timeout)
@@ -63,6 +62,10 @@ def group_key(group: dist.ProcessGroup | None) -> str:
     return str((group or dist.distributed_c10d._get_default_group()).group_name)
 
 
+def _default_group() -> Any:
+    return dist.distributed_c10d._world.default_pg
+
+
 class Ledger:
     """Per-rank bookkeeping of collectives. Off (records nothing) until the watchdog starts."""
 
@@ -76,26 +79,34 @@ class Ledger:
         self.world_key = ""
         self.thread: int | None = None  # the thread that issues collectives (the training loop)
         self.last: Record | None = None  # the newest record, for comm.Pending to keep
+        self._default: Any = None  # the default process group, and its key
+        self._default_key = ""
 
     def issue(self, label: str, group: dist.ProcessGroup | None,
               partner: int | None = None) -> Record | None:
         """Note a collective that is about to start (None when the watchdog is off)."""
         if not self.enabled:
             return None
-        key = group_key(group)
+        if group is None:  # the default group's name, looked up once per default group
+            default = _default_group()
+            if default is not self._default:
+                self._default, self._default_key = default, group_key(default)
+            key = self._default_key
+        else:
+            key = group_key(group)
+        step = reporter.step
+        record = Record(key, None, label, step, partner)
         with self._lock:
             if key not in self.members:
                 self._meet(key, group)
-            seq = None
             if partner is None:
-                seq = self.counts.get(key, 0) + 1
+                record.seq = seq = self.counts.get(key, 0) + 1
                 self.counts[key] = seq
-                self.history[key].append((seq, reporter.step, label))
-            record = Record(key, seq, label, reporter.step, partner)
-            self.thread, self.last = record.thread, record
+                self.history[key].append((seq, step, label))
             self.in_flight.append(record)
             if len(self.in_flight) > _PRUNE_AT:  # the watchdog thread is not keeping up
                 self._prune()
+        self.last, self.thread = record, threading.get_ident()
         return record
 
     def _meet(self, key: str, group: dist.ProcessGroup | None) -> None:
