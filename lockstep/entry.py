@@ -76,8 +76,10 @@ def main() -> None:
         record("exception", f"{type(error).__name__}: {error}", 1, traceback.format_exc(),
                **waited_for)
         first_line = (str(error).strip().splitlines() or [""])[0]
-        print(f"[rank {os.environ.get('RANK', '?')}] {type(error).__name__}: {first_line}",
-              file=sys.stderr, flush=True)
+        # One write: workers share the terminal, and print's two writes interleave.
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {type(error).__name__}: "
+                         f"{first_line}\n")
+        sys.stderr.flush()
         sys.exit(1)
 
 

@@ -149,7 +149,7 @@ class Watchdog:
             record.warned = 1
             first = record.seq is None or _claim(store, f"stall/{record.group}/{record.seq}")
             found = diagnose(store, record, with_stacks=first)
-            note = "" if first else "\n  (their stacks: in the first warning about it)"
+            note = "" if first else "\n  (another waiting rank reports their stacks)"
             log.warning("rank %d has waited %.1fs for %s: %s.\n%s%s", rank, waited,
                         found.collective, found.verdict, found.details, note)
         elif record.warned == 1 and self.backend != "gloo" and waited >= self.timeout_s:

@@ -183,7 +183,7 @@ def test_a_stopped_rank_is_named_with_its_last_progress(world: World) -> None:
         assert '"test: the sum a stopped rank holds up"' in text
         assert 'rank 2: in step' in text
         assert '"test: the last sum before the stop"' in text  # its last progress
-    full = [text for _, text in warnings if "their stacks" not in text]
+    full = [text for _, text in warnings if "reports their stacks" not in text]
     assert len(full) == 1, warnings
     assert "rank 2 did not reach it and does not answer (stopped?)" in full[0]
     assert "no answer to a request for its stack: stopped (SIGSTOP?)" in full[0]
