@@ -84,6 +84,7 @@ class Watchdog:
         self._published: object = None
         self._desynced: set[str] = set()  # groups whose desync has been reported
         self._patience = 0  # ticks waited for a desync's majority to show
+        self._stalled: Record | None = None  # the collective last warned about
 
     def configure(self, stall_after: float, timeout_s: float, backend: str) -> None:
         """Turn the watchdog on (stall_after > 0, more than one rank) or off, on this rank.
@@ -141,12 +142,18 @@ class Watchdog:
                         rank, verdict(judgement, [], []))
 
     def _check_stall(self, store: dist.Store, rank: int) -> None:
+        stalled = self._stalled
+        if stalled is not None and stalled.complete():
+            self._stalled = None
+            if stalled.warned == 1:  # not failed: the rank that held it up came back
+                log.warning("rank %d: %s finished after all, within %.1fs.", rank,
+                            stalled.name(), time.monotonic() - stalled.issued)
         record = ledger.oldest_unfinished()
         if record is None:
             return
         waited = time.monotonic() - record.issued
         if record.warned == 0 and waited >= self.stall_after:
-            record.warned = 1
+            record.warned, self._stalled = 1, record
             first = record.seq is None or _claim(store, f"stall/{record.group}/{record.seq}")
             found = diagnose(store, record, with_stacks=first)
             note = "" if first else "\n  (another waiting rank reports their stacks)"
