@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
@@ -40,14 +41,17 @@ class Record:
         self.group, self.seq, self.label, self.step = group, seq, label, step
         self.partner = partner  # the global rank at the other end of a send/recv
         self.issued = time.monotonic()
-        self.work: Any = None  # the backend's handle while an async collective is in flight
+        # A weak reference to the backend's handle of an async collective: a handle holds
+        # its tensors, and ZeRO-3's gathered parameters must be freed when their user lets go.
+        self.work: Any = None
         self.done = False
         self.warned = 0  # how many warnings the watchdog gave about it (0, 1: stall, 2: timeout)
 
     def complete(self) -> bool:
         if not self.done and self.work is not None:
-            try:
-                self.done = bool(self.work.is_completed())
+            work = self.work()
+            try:  # a handle nobody holds any more cannot be waited on: nothing to report
+                self.done = work is None or bool(work.is_completed())
             except Exception:  # a failed work: its waiter reports it
                 self.done = True
         return self.done
@@ -120,11 +124,15 @@ class Ledger:
     def launched(record: Record | None, result: Any) -> None:
         """The call returned: an async handle is in flight until it completes; anything
         else (a blocking call's result) means it is done."""
-        if record is not None:
-            if isinstance(result, dist.Work):
-                record.work = result
-            else:
+        if record is None:
+            return
+        if isinstance(result, dist.Work):
+            try:
+                record.work = weakref.ref(result)
+            except TypeError:  # not weakly referable: not tracked
                 record.done = True
+        else:
+            record.done = True
 
     def _prune(self) -> None:
         while self.in_flight and self.in_flight[0].complete():
