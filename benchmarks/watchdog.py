@@ -10,7 +10,7 @@ whose steps take about a millisecond (the per-collective bookkeeping weighs most
 and a deep MLP in 1 MB buckets (many collectives per step). Target: >= 0.97.
 
     python benchmarks/watchdog.py            # launches 2 local workers itself
-    python benchmarks/watchdog.py --rounds 12 --steps 50 --models 'small MLP (fast steps)'
+    python benchmarks/watchdog.py --rounds 12 --block-s 2 --models 'small MLP (fast steps)'
 """
 
 from __future__ import annotations
@@ -69,9 +69,11 @@ def timed(step: Callable[[], None], steps: int, stall_after: float, timeout_s: f
     return elapsed.item()
 
 
-def bench_model(name: str, rounds: int, steps: int, batch: int, timeout_s: float
-                ) -> tuple[float, float, int]:
-    """(median throughput ratio on/off, steps per second with it on, collectives per step)."""
+def bench_model(name: str, rounds: int, block_s: float, batch: int, timeout_s: float
+                ) -> tuple[list[float], float, int, float]:
+    """(per-round throughput ratios on/off, steps per second with it on, collectives per
+    step, milliseconds per look). Blocks last about `block_s`: several of the watchdog's
+    half-second looks each, so that every block gets its share of them."""
     build, width, bucket_mb = MODELS[name]
     torch.manual_seed(0)
     x = torch.randn(batch, width)
@@ -80,8 +82,9 @@ def bench_model(name: str, rounds: int, steps: int, batch: int, timeout_s: float
     for _ in range(3):  # warm up allocators and the bucket rebuild
         step()
     issued = watchdog.ledger.counts.get(watchdog.ledger.world_key, 0)
-    timed(step, 1, 15.0, timeout_s)
-    per_step = watchdog.ledger.counts.get(watchdog.ledger.world_key, 0) - issued
+    probe = timed(step, 5, 15.0, timeout_s)
+    per_step = (watchdog.ledger.counts.get(watchdog.ledger.world_key, 0) - issued) // 5
+    steps = max(5, round(block_s / (probe / 5)))
     on_off: list[tuple[float, float]] = []
     for r in range(rounds):
         order = [15.0, 0.0, 0.0, 15.0] if r % 2 == 0 else [0.0, 15.0, 15.0, 0.0]
@@ -89,10 +92,24 @@ def bench_model(name: str, rounds: int, steps: int, batch: int, timeout_s: float
         for stall_after in order:
             seconds[stall_after] += timed(step, steps, stall_after, timeout_s)
         on_off.append((seconds[15.0], seconds[0.0]))
+    watchdog.start(15.0, timeout_s, "gloo")
+    look_ms = tick_ms(step)
     model.close()
-    ratio = statistics.median(off / on for on, off in on_off)  # throughput on / off
+    ratios = [off / on for on, off in on_off]  # throughput on / off
     rate = 2 * steps / statistics.median(on for on, _ in on_off)
-    return ratio, rate, per_step
+    return ratios, rate, per_step, look_ms
+
+
+def tick_ms(step: Callable[[], None], count: int = 20) -> float:
+    """Milliseconds one of the watchdog's half-second looks takes (its store round trips
+    included), with a training step between looks so that there is news to publish."""
+    times = []
+    for _ in range(count):
+        step()
+        started = time.perf_counter()
+        watchdog.watchdog.tick()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
 
 
 def bookkeeping_us(count: int = 20000) -> float:
@@ -107,18 +124,22 @@ def bookkeeping_us(count: int = 20000) -> float:
 def worker(args: argparse.Namespace) -> None:
     world = lockstep.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    for name in args.models:
-        ratio, rate, per_step = bench_model(name, args.rounds, args.steps, args.batch,
-                                            world.timeout.total_seconds())
-        if world.is_main:
-            print(f"{name:26s} throughput ratio watchdog on/off: {ratio:.3f}   "
-                  f"({rate:.0f} steps/s with it on, {per_step} collectives per step)",
-                  flush=True)
+    results = {name: bench_model(name, args.rounds, args.block_s, args.batch,
+                                 world.timeout.total_seconds()) for name in args.models}
     watchdog.start(15.0, world.timeout.total_seconds(), "gloo")
-    cost = bookkeeping_us()
-    if world.is_main:
-        print(f"{'':26s} bookkeeping on the training thread: {cost:.2f} us per collective",
-              flush=True)
+    cost_us = bookkeeping_us()
+    for name, (ratios, rate, per_step, look_ms) in results.items():
+        quartiles = statistics.quantiles(ratios, n=4)
+        # The same cost from its parts, which the machine's noise does not drown: the
+        # training thread's bookkeeping per step, and the looks (at most, if each one
+        # stopped training for as long as it takes).
+        parts = cost_us * 1e-6 * per_step * rate + look_ms * 1e-3 / 0.5
+        if world.is_main:
+            print(f"{name:26s} throughput ratio watchdog on/off: "
+                  f"{statistics.median(ratios):.3f} measured (rounds' middle half "
+                  f"{quartiles[0]:.3f}-{quartiles[2]:.3f}), {1 / (1 + parts):.4f} from its "
+                  f"parts ({rate:.0f} steps/s, {per_step} collectives a step at "
+                  f"{cost_us:.1f} us each, a {look_ms:.2f} ms look every 0.5 s)", flush=True)
     world.shutdown()
 
 
@@ -126,7 +147,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30, help="steps per timed block")
+    p.add_argument("--block-s", type=float, default=1.0, help="seconds per timed block")
     p.add_argument("--batch", type=int, default=32, help="per-rank batch")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args()
@@ -134,8 +155,8 @@ def main() -> int:
         worker(args)
         return 0
     print(f"stall watchdog on vs off: 2 ranks (Gloo, CPU), per-rank batch {args.batch}, "
-          f"{args.rounds} ABBA rounds of {args.steps} steps; medians of per-round ratios",
-          flush=True)
+          f"{args.rounds} ABBA rounds of {args.block_s:.0f} s blocks; medians of per-round "
+          "ratios", flush=True)
     return run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=sys.argv[1:]))
 
 
