@@ -155,6 +155,29 @@ def test_a_rank_asleep_in_python_is_named_with_the_line_it_sleeps_on(world: Worl
     assert "in _a_rank_naps" in full[0]
 
 
+def _a_rank_naps_before_a_shared_memory_reduction() -> tuple[float, list[tuple[float, str]]]:
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(torch.nn.Linear(4, 2), algorithm="shm")
+    loss = model(torch.ones(2, 4)).sum()
+    started = time.time()
+    with _warnings() as seen:
+        if dist.get_rank() == 2:
+            time.sleep(NAP_S)  # rank 2 naps before its backward
+        loss.backward()  # the others wait in a barrier in shared memory, not in torch's
+    model.close()
+    return started, seen.seen
+
+
+def test_a_stall_in_a_shared_memory_reduction_is_named_too(world: World) -> None:
+    results = world.run(_a_rank_naps_before_a_shared_memory_reduction)
+    warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
+                if "has waited" in text]
+    assert len(warnings) == 2 and results[2][1] == [], results
+    for after, text in warnings:
+        assert STALL_S <= after < STALL_S + 5 and "rank 2 did not reach it" in text, warnings
+    assert any("time.sleep(NAP_S)  # rank 2 naps before its backward" in t for _, t in warnings)
+
+
 def _resume_after_warning(seen: _Warnings, pid: int) -> None:
     deadline = time.monotonic() + TIMEOUT_S
     while not seen.seen and time.monotonic() < deadline:
