@@ -36,6 +36,7 @@ bench: $(READY)
 	$(PY) benchmarks/allreduce.py
 	$(PY) benchmarks/compression.py
 	$(PY) benchmarks/low_comm.py
+	$(PY) benchmarks/watchdog.py
 
 clean:
 	rm -rf $(VENV) runs

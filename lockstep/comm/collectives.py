@@ -15,13 +15,21 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lockstep.comm import watchdog
 from lockstep.comm.diagnostics import explain_stall
+from lockstep.comm.ledger import Record, ledger
 
 Group = dist.ProcessGroup | None
 
 
 class CollectiveError(RuntimeError):
     """A collective failed or timed out; the message says which rank waited for what."""
+
+    def __init__(self, message: str, culprits: Sequence[int] = (), stalled: bool = False
+                 ) -> None:
+        super().__init__(message)
+        self.culprits = list(culprits)  # the ranks it waited for (the launcher names them)
+        self.stalled = stalled  # it waited at least stall_after: they stalled, not crashed
 
 
 def rank_of(group: Group = None) -> int:
@@ -50,18 +58,20 @@ def control_tensor(values: Sequence[float] | Sequence[int], group: Group = None,
 class Pending:
     """An asynchronous collective and what it is, for the error message if it fails."""
 
-    __slots__ = ("started", "what", "works")
+    __slots__ = ("record", "started", "what", "works")
 
     def __init__(self, work: dist.Work | Sequence[dist.Work], what: str) -> None:
         self.works = list(work) if isinstance(work, Sequence) else [work]
         self.what, self.started = what, time.monotonic()
+        last = ledger.last  # what _run just issued for it, if the watchdog is on
+        self.record = last if last is not None and last.label == what else None
 
     def wait(self) -> None:
         try:
             for work in self.works:
                 work.wait()
         except Exception as error:
-            raise _explain(self.what, error, self.started) from error
+            raise _explain(self.what, error, self.started, self.record) from error
 
 
 def _backend_message(error: BaseException) -> str:
@@ -70,22 +80,39 @@ def _backend_message(error: BaseException) -> str:
     return text.split(" This is typically caused")[0][:300]
 
 
-def _explain(what: str, error: BaseException, started: float) -> CollectiveError:
+def _explain(what: str, error: BaseException, started: float,
+             record: Record | None = None) -> CollectiveError:
+    """The error for a failed collective. The first line says what failed and, when the
+    watchdog is on, who it waited for (the launcher's summary shows first lines only)."""
     rank, size = dist.get_rank(), dist.get_world_size()
     waited = time.monotonic() - started
-    return CollectiveError(
-        f"rank {rank}: {what} failed after {waited:.1f}s: {_backend_message(error)}\n"
-        f"{explain_stall(rank, size)}")
+    head = f"rank {rank}: {what} failed after {waited:.1f}s: {_backend_message(error)}"
+    found = watchdog.explain(record)
+    if record is not None:
+        record.done = True
+    if found is None:
+        return CollectiveError(f"{head}\n{explain_stall(rank, size)}")
+    lines = [f"{head} -- {found.verdict}", f"  it was {found.collective}", found.details,
+             explain_stall(rank, size)]
+    return CollectiveError("\n".join(line for line in lines if line), found.culprits,
+                           stalled=waited >= watchdog.watchdog.stall_after)
+
+
+_POINT_TO_POINT = (dist.isend, dist.irecv)  # not numbered: ranks send different counts
 
 
 def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    partner = args[1] if fn in _POINT_TO_POINT else None
+    record = ledger.issue(what, kwargs.get("group"), partner)
     started = time.monotonic()
     try:
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
     except CollectiveError:
         raise
     except Exception as error:
-        raise _explain(what, error, started) from error
+        raise _explain(what, error, started, record) from error
+    ledger.launched(record, result)
+    return result
 
 
 def all_reduce_async(tensor: torch.Tensor, what: str, group: Group = None) -> Pending:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -31,18 +32,36 @@ class ProgressReporter:
         self._published: tuple[int, str] | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # More work for the same thread, at the same pace (the stall watchdog's checks):
+        # one thread per process, however many watchers.
+        self.ticks: list[Callable[[], None]] = []
 
     def advance(self) -> None:
         self.step += 1
         if self._thread is None:
+            self.start()
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
             self._thread = threading.Thread(target=self._run, name="lockstep-progress",
                                             daemon=True)
             self._thread.start()
 
+    def stop(self) -> None:
+        """End the thread (at exit, before the process group goes): it must not be in the
+        middle of a store call while the store is torn down."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+
     def _run(self) -> None:
-        while True:
+        while not self._stop.is_set():
             self.publish("running")
-            time.sleep(_PUBLISH_INTERVAL_S)
+            for tick in list(self.ticks):
+                tick()
+            self._stop.wait(_PUBLISH_INTERVAL_S)
 
     def publish_exit(self) -> None:
         self.publish("exited")

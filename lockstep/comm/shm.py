@@ -16,6 +16,7 @@ import torch
 
 from lockstep import comm
 from lockstep.comm.diagnostics import explain_stall
+from lockstep.comm.ledger import ledger
 
 
 def shm_available() -> str | None:
@@ -82,6 +83,8 @@ class HostBarrier:
         mine = self.memory.local_rank
         self.flags[mine][0] = self.generation
         started, spins = time.monotonic(), 0
+        # The stall watchdog sees this wait as it sees any collective's (ledger.py).
+        record = ledger.issue(what, self.memory.group)
         while any(flag[0] < self.generation for flag in self.flags):
             spins += 1
             if spins < 2000:
@@ -90,7 +93,9 @@ class HostBarrier:
             waited = time.monotonic() - started
             if waited > self.timeout_s:
                 late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
+                ledger.launched(record, None)
                 raise comm.CollectiveError(
                     f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
                     f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
+        ledger.launched(record, None)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lockstep.comm import watchdog
 from lockstep.comm.diagnostics import reporter
 from lockstep.logs import get_logger, setup_logging
 
@@ -105,7 +106,8 @@ def _world_from_group(backend: str, timeout: timedelta) -> World:
                  _pick_device(backend, local_rank), backend, timeout)
 
 
-def init(backend: str | None = None, timeout: timedelta | float | None = None) -> World:
+def init(backend: str | None = None, timeout: timedelta | float | None = None,
+         stall_after: float | None = None) -> World:
     """Join the job: create the process group from torchrun's environment. Idempotent.
 
     Steps: read RANK/WORLD_SIZE/LOCAL_RANK (and MASTER_ADDR/MASTER_PORT through torch's env://
@@ -115,12 +117,19 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
 
     Without WORLD_SIZE in the environment this is a world of one on an in-memory store: no
     network, no launcher, and the same code paths as a real job.
+
+    `stall_after` (seconds; else LOCKSTEP_STALL_AFTER, else min(15, timeout / 2); 0: off):
+    a collective that waits longer is reported, naming the ranks that have not reached it
+    and where they stand (watchdog.py). The same on every rank.
     """
     global _world
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     timeout = timeout or DEFAULT_TIMEOUT
+    stall_s = watchdog.stall_after_setting(stall_after, timeout.total_seconds())
     if _world is not None and dist.is_initialized():
+        if stall_after is not None:  # a later call may change it
+            watchdog.start(stall_s, _world.timeout.total_seconds(), _world.backend)
         return _world
     if dist.is_initialized():  # someone else (a test harness, Accelerate...) made the group
         _world = _world_from_group(backend or dist.get_backend(), timeout)
@@ -132,6 +141,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None) -
     else:
         _world = _init_from_env(_pick_backend(backend), timeout)
     setup_logging(_world.rank)
+    watchdog.start(stall_s, timeout.total_seconds(), _world.backend)
     _register_exit_once()
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,
              _world.backend, _world.device)
@@ -151,7 +161,10 @@ def _register_exit_once() -> None:
 def _at_exit() -> None:
     """Say this rank has left (so waiting peers can name it), then tear the group down:
     exiting with a live Gloo group intermittently aborts the process in torch's teardown
-    ("terminate called without an active exception"), which a launcher reports as a crash."""
+    ("terminate called without an active exception"), which a launcher reports as a crash.
+    The progress thread stops first: it must not be inside a store call meanwhile."""
+    reporter.stop()
+    watchdog.flush()
     reporter.publish_exit()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -39,15 +39,17 @@ def exit_code(exit: SystemExit) -> int:
     return exit.code if isinstance(exit.code, int) else 1
 
 
-def record(kind: str, message: str, code: int, callstack: str | None = None) -> None:
+def record(kind: str, message: str, code: int, callstack: str | None = None,
+           **details: object) -> None:
     """Write torchrun's error file (its own format, so torchrun reads it as usual) with
-    lockstep's precise record added: kind ("exit" or "exception"), exit code, time."""
+    lockstep's precise record added: kind ("exit" or "exception"), exit code, time, and
+    `details` (a collective that timed out: the ranks it waited for)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
     now = time.time()
     extra: dict[str, object] = {"timestamp": str(int(now)),
-                                RECORD: {"kind": kind, "code": code, "time": now}}
+                                RECORD: {"kind": kind, "code": code, "time": now, **details}}
     if callstack is not None:
         extra["py_callstack"] = callstack
     with open(path, "w") as f:
@@ -71,10 +73,15 @@ def main() -> None:
     except BaseException as error:
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:  # not under a launcher: the usual
             raise
-        record("exception", f"{type(error).__name__}: {error}", 1, traceback.format_exc())
+        # A CollectiveError names the ranks it waited for: the launcher blames them.
+        waited_for = {k: getattr(error, k) for k in ("culprits", "stalled") if hasattr(error, k)}
+        record("exception", f"{type(error).__name__}: {error}", 1, traceback.format_exc(),
+               **waited_for)
         first_line = (str(error).strip().splitlines() or [""])[0]
-        print(f"[rank {os.environ.get('RANK', '?')}] {type(error).__name__}: {first_line}",
-              file=sys.stderr, flush=True)
+        # One write: workers share the terminal, and print's two writes interleave.
+        sys.stderr.write(f"[rank {os.environ.get('RANK', '?')}] {type(error).__name__}: "
+                         f"{first_line}\n")
+        sys.stderr.flush()
         sys.exit(1)
 
 

@@ -173,11 +173,29 @@ def _when(failure: Any) -> float:
 
 
 def root_cause(failed: Any) -> tuple[int, Any]:
-    """The failure that started it all: the earliest that is not a knock-on error (if
+    """The failure that started it all: a worker the others waited for until they timed
+    out (see `stalled_worker`), else the earliest failure that is not a knock-on error (if
     every failure is one, the earliest)."""
+    stalled = stalled_worker(failed)
+    if stalled is not None:
+        return stalled[0], failed.failures[stalled[0]]
     by_time = sorted(failed.failures.items(), key=lambda item: (_when(item[1]), item[0]))
     primary = [item for item in by_time if not _is_knock_on(item[1])]
     return (primary or by_time)[0]
+
+
+def stalled_worker(failed: Any) -> tuple[int, int] | None:
+    """(culprit, waiter): a worker that another one waited for until its collective timed
+    out, and that recorded no failure of its own -- it was stopped by the launcher after
+    the timeout (a worker that ignores SIGTERM, as a stopped one does, ends by SIGKILL).
+    Without this, that SIGKILL would be reported as the cause."""
+    by_time = sorted(failed.failures.items(), key=lambda item: (_when(item[1]), item[0]))
+    for rank, failure in by_time:
+        found = _record(failure)
+        for culprit in found.get("culprits", []) if found.get("stalled") else []:
+            if culprit in failed.failures and not _record(failed.failures[culprit]):
+                return culprit, rank
+    return None
 
 
 def _traceback(failure: Any) -> str | None:
@@ -214,12 +232,29 @@ def _outcome(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _stall_story(failed: Any, culprit: int, waiter: int) -> tuple[str, str | None]:
+    """How a stalled worker's end is told, and what the worker that waited for it saw."""
+    failure = failed.failures[culprit]
+    if failure.exitcode == -signal.SIGKILL:
+        end = "the launcher then killed it (SIGKILL: it did not stop on SIGTERM)"
+    elif failure.exitcode == -signal.SIGTERM:
+        end = "the launcher then stopped it (SIGTERM)"
+    else:
+        end = f"it then ended: {_outcome(failure)}"
+    how = f"stalled: rank {waiter} waited for it until its collective timed out; {end}"
+    seen = _traceback(failed.failures[waiter])
+    return how, None if seen is None else f"what rank {waiter} saw:\n{seen.rstrip()}"
+
+
 def failure_summary(failed: Any) -> str:
     rank, failure = root_cause(failed)
     traceback = _traceback(failure)
     # A worker that raised may still be SIGTERMed by torchrun while it exits, so its exit
     # code is not the story; the recorded exception is.
     how = "raised an exception" if traceback is not None else _outcome(failure)
+    stalled = stalled_worker(failed)
+    if stalled is not None:
+        how, traceback = _stall_story(failed, *stalled)
     lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
              f"{failure.pid}) {how}; the job was stopped."]
     if traceback is not None:

@@ -1,0 +1,361 @@
+"""The stall watchdog: a stalled, stopped or out-of-step rank is named within seconds, with
+where it stands; the timeout's error and `lockstep run`'s summary say the same."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import lockstep
+from lockstep import comm
+from lockstep.comm import CollectiveError, stacks, watchdog
+from lockstep.comm.ledger import mismatches
+from lockstep.comm.stall_report import STACK_WAIT_S, judge, verdict
+from lockstep.testing import World
+
+STALL_S = 1.5
+TIMEOUT_S = 8.0
+
+
+# --- planning and formatting, in one process ---------------------------------------------
+
+def test_judge_names_the_ranks_behind_and_a_desync_by_majority() -> None:
+    both = [(1, 0, "fingerprint"), (2, 1, "bucket 1/1")]
+    behind = judge(2, None, [0, 1, 2], 0, both, {1: both, 2: both[:1]})
+    assert (behind.late, behind.desync, behind.culprits) == ([2], None, [2])
+    assert verdict(behind, [], []) == "rank 2 did not reach it"
+    assert verdict(behind, [2], []) == "rank 2 did not reach it and does not answer (stopped?)"
+    assert verdict(behind, [], [2]) == "rank 2 exited without reaching it"
+    # Rank 2 skipped a backward: the same labels, one step later, from #5 on.
+    mine = [(4, 2, "bucket 1/1"), (5, 3, "bucket 1/1"), (6, 4, "bucket 1/1")]
+    skipped = [(4, 2, "bucket 1/1"), (5, 4, "bucket 1/1"), (6, 5, "bucket 1/1")]
+    assert mismatches(mine, skipped) == [5, 6]
+    out_of_step = judge(6, None, [0, 1, 2], 0, mine, {1: mine, 2: skipped})
+    assert out_of_step.odd == out_of_step.culprits == [2]
+    assert out_of_step.desync is not None and out_of_step.desync[0] == 5
+    assert verdict(out_of_step, [], []) == (
+        'desync at collective #5: ranks 0, 1 issued "bucket 1/1" in step 3; rank 2 issued '
+        '"bucket 1/1" in step 4. rank 2 is out of step (a skipped or extra backward, or a '
+        "collective only some ranks call)")
+    # Two ranks that disagree: no majority, both are named.
+    extra = judge(2, None, [0, 1], 1, [(2, 1, "loss sum")], {0: [(2, 1, "metric")]})
+    assert extra.odd == [0, 1]
+    # A receive waits on its sender only.
+    assert judge(None, 3, [0, 1, 2, 3], 0, [], {}).culprits == [3]
+
+
+def test_stall_after_comes_from_init_the_environment_or_the_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(watchdog.ENV, raising=False)
+    assert watchdog.stall_after_setting(None, 300) == 15.0
+    assert watchdog.stall_after_setting(None, 8) == 4.0  # never near the timeout itself
+    assert watchdog.stall_after_setting(2.5, 300) == 2.5
+    monkeypatch.setenv(watchdog.ENV, "0")  # off
+    assert watchdog.stall_after_setting(None, 300) == 0.0
+    monkeypatch.setenv(watchdog.ENV, "soon")
+    with pytest.raises(RuntimeError, match="LOCKSTEP_STALL_AFTER='soon' is not a number"):
+        watchdog.stall_after_setting(None, 300)
+    with pytest.raises(ValueError, match=r"stall_after=-1\.0 must be"):
+        watchdog.stall_after_setting(-1.0, 300)
+
+
+def _doze(started: threading.Event, done: threading.Event) -> None:
+    started.set()
+    done.wait(10)  # the line the stack must show
+
+
+def test_the_stack_of_another_thread_shows_where_it_waits() -> None:
+    started, done = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_doze, args=(started, done))
+    thread.start()
+    started.wait(5)
+    try:
+        text = stacks.stack_of(thread.ident)
+    finally:
+        done.set()
+        thread.join()
+    assert "in _doze" in text and "done.wait(10)  # the line the stack must show" in text
+    assert "threading.py" in text.splitlines()[-2]  # innermost last, as traceback prints
+    assert len([line for line in text.splitlines() if line.startswith("  File")]) \
+        <= stacks.MAX_FRAMES
+
+
+# --- a real world of three --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def world() -> Iterator[World]:
+    with World(3, collective_timeout_s=TIMEOUT_S,
+               env={watchdog.ENV: str(STALL_S)}) as started:
+        yield started
+
+
+class _Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[tuple[float, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append((record.created, record.getMessage()))
+
+
+@contextmanager
+def _warnings() -> Iterator[_Warnings]:
+    handler, logger = _Warnings(), logging.getLogger("lockstep")
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+
+
+NAP_S = 3.5
+
+
+def _a_rank_naps() -> tuple[float, list[tuple[float, str]]]:
+    comm.barrier("test: start together")
+    started = time.time()
+    with _warnings() as seen:
+        if dist.get_rank() == 2:
+            time.sleep(NAP_S)  # rank 2 naps here
+        comm.all_reduce(torch.ones(3), "test: the sum after a nap")
+        time.sleep(1.0)  # the watchdog's next look: the stall is over
+    return started, seen.seen
+
+
+def test_a_rank_asleep_in_python_is_named_with_the_line_it_sleeps_on(world: World) -> None:
+    results = world.run(_a_rank_naps)
+    assert results[2][1] == []  # the sleeper itself has nothing to wait for
+    warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
+                if "has waited" in text]
+    assert len(warnings) == 2, results  # one per waiting rank
+    for after, text in warnings:
+        assert STALL_S <= after < STALL_S + 5, warnings
+        assert 'has waited' in text and '"test: the sum after a nap"' in text
+        assert "rank 2 did not reach it" in text and "rank 2: in step" in text
+    for _, seen in results[:2]:
+        assert 'finished after all' in seen[-1][1] and '"test: the sum after a nap"' \
+            in seen[-1][1], seen
+    full = [text for _, text in warnings if "it is now at:" in text]
+    assert len(full) == 1, warnings  # the stacks once, not from every waiting rank
+    assert "time.sleep(NAP_S)  # rank 2 naps here" in full[0]
+    assert "in _a_rank_naps" in full[0]
+
+
+def _a_rank_naps_before_a_shared_memory_reduction() -> tuple[float, list[tuple[float, str]]]:
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(torch.nn.Linear(4, 2), algorithm="shm")
+    loss = model(torch.ones(2, 4)).sum()
+    started = time.time()
+    with _warnings() as seen:
+        if dist.get_rank() == 2:
+            time.sleep(NAP_S)  # rank 2 naps before its backward
+        loss.backward()  # the others wait in a barrier in shared memory, not in torch's
+    model.close()
+    return started, seen.seen
+
+
+def test_a_stall_in_a_shared_memory_reduction_is_named_too(world: World) -> None:
+    results = world.run(_a_rank_naps_before_a_shared_memory_reduction)
+    warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
+                if "has waited" in text]
+    assert len(warnings) == 2 and results[2][1] == [], results
+    for after, text in warnings:
+        assert STALL_S <= after < STALL_S + 5 and "rank 2 did not reach it" in text, warnings
+    assert any("time.sleep(NAP_S)  # rank 2 naps before its backward" in t for _, t in warnings)
+
+
+def _resume_after_warning(seen: _Warnings, pid: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not seen.seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(STACK_WAIT_S + 1.0)  # the other waiting rank's stack request times out first
+    os.kill(pid, signal.SIGCONT)
+
+
+def _a_rank_is_stopped() -> tuple[float, list[tuple[float, str]]]:
+    rank = dist.get_rank()
+    pids = comm.all_gather_object(os.getpid(), "test: process ids")
+    comm.all_reduce(torch.ones(3), "test: the last sum before the stop")
+    time.sleep(1.0)  # every rank publishes what it issued last
+    started = time.time()
+    with _warnings() as seen:
+        if rank == 0:  # someone must resume it, once the warnings are out
+            threading.Thread(target=_resume_after_warning, args=(seen, pids[2])).start()
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        comm.all_reduce(torch.ones(3), "test: the sum a stopped rank holds up")
+    return started, seen.seen
+
+
+def test_a_stopped_rank_is_named_with_its_last_progress(world: World) -> None:
+    results = world.run(_a_rank_is_stopped)
+    assert results[2][1] == []
+    warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
+                if "has waited" in text]
+    assert len(warnings) == 2, results
+    for after, text in warnings:
+        assert STALL_S <= after < STALL_S + 5, warnings
+        assert '"test: the sum a stopped rank holds up"' in text
+        assert 'rank 2: in step' in text
+        assert '"test: the last sum before the stop"' in text  # its last progress
+    full = [text for _, text in warnings if "reports their stacks" not in text]
+    assert len(full) == 1, warnings
+    assert "rank 2 did not reach it and does not answer (stopped?)" in full[0]
+    assert "no answer to a request for its stack: stopped (SIGSTOP?)" in full[0]
+
+
+def _a_rank_skips_a_backward(stall_after: float) -> tuple[float, list[tuple[float, str]]]:
+    watchdog.start(stall_after, TIMEOUT_S, "gloo")
+    rank, skipped = dist.get_rank(), 0.0
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(torch.nn.Linear(4, 2))
+    with _warnings() as seen:
+        for step in range(3):
+            loss = model(torch.ones(2, 4)).sum()
+            if rank == 2 and step == 1:
+                skipped = time.time()
+                continue  # its next backward is matched with the others' backward of step 1
+            loss.backward()
+        if rank == 2:  # the others wait on their last backward; then it releases them
+            time.sleep(stall_after + 1.5)
+            model(torch.ones(2, 4)).sum().backward()
+    model.close()
+    watchdog.start(STALL_S, TIMEOUT_S, "gloo")
+    return skipped, seen.seen
+
+
+def test_a_rank_that_skips_a_backward_is_named_as_a_desync_at_once(world: World) -> None:
+    stall_after = 4.0  # the desync is named long before anyone waits this long
+    results = world.run(_a_rank_skips_a_backward, stall_after, breaks_group=True)
+    skipped = results[2][0]
+    desync = [(at - skipped, text) for _, seen in results for at, text in seen
+              if "Training goes on only while" in text]
+    assert len(desync) == 1, results  # one warning for the whole world
+    after, text = desync[0]
+    assert after < 2.5, desync
+    assert "desync at collective #" in text and "rank 2 is out of step" in text
+    assert '"gradient bucket 1/1 (10 x torch.float32)" in step' in text
+    for _, seen in results[:2]:  # the waiting ranks' stall warnings say it too
+        stalls = [text for _, text in seen if "has waited" in text]
+        assert len(stalls) == 1 and "desync at collective #" in stalls[0], seen
+
+
+def _a_rank_sleeps_past_the_timeout() -> tuple[str, list[int], bool] | None:
+    if dist.get_rank() == 2:
+        time.sleep(TIMEOUT_S + 2)  # rank 2 sleeps through the timeout
+        return None
+    try:
+        comm.all_reduce(torch.ones(3), "test: a sum that times out")
+    except CollectiveError as error:
+        return str(error), error.culprits, error.stalled
+    return None
+
+
+def test_the_timeout_error_names_the_culprit_and_where_it_stands(world: World) -> None:
+    results = world.run(_a_rank_sleeps_past_the_timeout, breaks_group=True)
+    for result in results[:2]:
+        assert result is not None
+        message, culprits, stalled = result
+        first = message.splitlines()[0]
+        assert "test: a sum that times out failed after" in first
+        assert first.endswith("-- rank 2 did not reach it"), first
+        assert "time.sleep(TIMEOUT_S + 2)  # rank 2 sleeps through the timeout" in message
+        assert (culprits, stalled) == ([2], True)
+
+
+# --- under `lockstep run`: what the user sees -------------------------------------------
+
+STUCK = textwrap.dedent("""
+    import os, signal, time, torch, lockstep
+    world = lockstep.init()
+    model = lockstep.DataParallel(torch.nn.Linear(8, 2))
+    for step in range(8):
+        time.sleep(0.3)  # a step takes a while, as real ones do
+        if step == 4 and world.rank == 2:
+            print(f"rank 2 (pid {os.getpid()}) is stuck from {time.time()}", flush=True)
+            if os.environ["HOW"] == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(60)  # rank 2 is stuck here
+        model(torch.ones(4, 8)).sum().backward()
+""")
+
+
+def _launch_stuck(script: Path, how: str) -> tuple[int, list[tuple[float, str]], float, int]:
+    """Run the script on 3 workers; (exit code, stderr lines with their arrival times, when
+    rank 2 got stuck, its pid). A stopped worker is killed as soon as the others have
+    timed out: torchrun would SIGKILL it 30 s later, the same way."""
+    env = {**os.environ, "HOW": how, watchdog.ENV: "2", "LOCKSTEP_TIMEOUT": "6"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    job = subprocess.Popen([str(Path(sys.executable).parent / "lockstep"), "run", "-n", "3",
+                            str(script)], env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stuck: list[tuple[int, float]] = []
+
+    def read_stdout() -> None:
+        assert job.stdout is not None
+        for line in job.stdout:
+            if found := re.search(r"pid (\d+)\) is stuck from ([\d.]+)", line):
+                stuck.append((int(found.group(1)), float(found.group(2))))
+
+    reader = threading.Thread(target=read_stdout)
+    reader.start()
+    lines: list[tuple[float, str]] = []
+    try:
+        assert job.stderr is not None
+        for line in job.stderr:
+            lines.append((time.time(), line.rstrip("\n")))
+            if how == "stop" and "] CollectiveError:" in line and stuck:
+                os.kill(stuck[0][0], signal.SIGKILL)
+        code = job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        reader.join()
+    assert stuck, lines
+    return code, lines, stuck[0][1], stuck[0][0]
+
+
+@pytest.mark.parametrize("how", ["stop", "sleep"])
+def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
+        tmp_path: Path, how: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(STUCK)
+    code, lines, stuck_at, pid = _launch_stuck(script, how)
+    stderr = "\n".join(text for _, text in lines)
+    assert code == 1, stderr
+    for rank in (0, 1):
+        warned = [at for at, text in lines
+                  if text.startswith(f"[lockstep rank {rank}] WARNING rank {rank} has waited")]
+        assert len(warned) == 1 and warned[0] - stuck_at < 2 + 5, stderr
+    assert 'of step 5: rank 2 did not reach it' in stderr
+    # Its last progress: step 4, or step 3 where the twice-a-second publisher had not yet
+    # run between rank 2's last forward and its stop (a loaded machine).
+    assert re.search(r"rank 2: in step [34] for", stderr), stderr
+    if how == "stop":
+        assert "rank 2 did not reach it and does not answer (stopped?)" in stderr
+        end = "the launcher then killed it (SIGKILL: it did not stop on SIGTERM)"
+    else:
+        assert f'      File "{script}", line 11, in <module>\n' \
+               "        time.sleep(60)  # rank 2 is stuck here" in stderr  # the user's line
+        end = "the launcher then stopped it (SIGTERM)"
+    summary = stderr[stderr.index("lockstep run: worker"):]
+    assert re.match(rf"lockstep run: worker rank 2 \(local rank 2, pid {pid}\) stalled: rank "
+                    rf"[01] waited for it until its collective timed out; {re.escape(end)}; "
+                    "the job was stopped.\nwhat rank [01] saw:\nTraceback", summary), summary
+    assert "failed after 6.0s" in summary and "-- rank 2 did not reach it" in summary
+    assert "killed by Signal 9" not in stderr
