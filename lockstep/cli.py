@@ -23,6 +23,9 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--local-addr", default=None,
                    help="this host's address as the other hosts reach it")
     p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--elastic", action="store_true",
+                   help="fault tolerant (lockstep.Elastic): a worker that dies does not stop "
+                   "the others, and the same command started later adds workers to the job")
     p.add_argument("-m", "--module", action="store_true", help="target is a module")
     p.add_argument("target", help="script path (or module name with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -45,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("cluster", help="run a command on each host of an emulated cluster "
                         "(network namespaces with rate-limited links; needs root)")
     args = parser.parse_args(argv)
-    return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+    launch = run
+    if args.elastic:
+        from lockstep.elastic_launch import run_elastic as launch
+    return launch(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
                           module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                           local_addr=args.local_addr, max_restarts=args.max_restarts))

@@ -1,0 +1,340 @@
+"""Per-step fault tolerance: training that goes on when workers die, and grows back when
+they return -- without restarting anyone.
+
+    job = lockstep.Elastic(net, optimizer, wrap=lambda m: lockstep.DataParallel(m))
+    while job.step < total_steps:
+        job.run_step(train_step)    # train_step(model, step): forward and backward only
+    job.finish()
+
+What one step does (`run_step`):
+  1. at the step boundary, if joiners wait and this is the step the members agreed to stop
+     at, regroup: the new membership's group, a fresh wrapper, state to the newcomers;
+  2. `train_step(model, step)` computes gradients (the caller slices global batch `step`
+     by `job.world.rank` / `world_size`: see `batch_slice`);
+  3. the optimizer steps (and a local-SGD / DiLoCo wrapper synchronises at round ends);
+  4. the step is committed: `job.step` advances; every `check_every` steps the replicas
+     are compared (drift.py).
+When a collective fails (a peer died: its sockets closed; or a timeout: a host vanished),
+the survivors discard the step's partial gradients, agree on the new membership through
+the store (quorum.py), form a new group (membership.py), bring any rank that missed the
+last step level from a peer (handover.py), and redo the step at the smaller world size.
+At most the interrupted step is lost; a global batch is the same samples at any size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep import comm
+from lockstep.drift import DriftCheck
+from lockstep.handover import hand_over
+from lockstep.logs import get_logger
+from lockstep.membership import Membership, install
+from lockstep.quorum import Coordinator, Excluded
+from lockstep.world import World, current
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+ENV_STORE = "LOCKSTEP_ELASTIC"
+"""HOST:PORT of the job's store; `lockstep run --elastic` sets it for its workers."""
+ENV_INITIAL = "LOCKSTEP_ELASTIC_INITIAL"
+"""How many workers the job starts with (the first membership waits for them)."""
+
+
+@dataclass
+class ElasticConfig:
+    """How fault tolerance watches and waits. The defaults suit jobs on one or a few hosts."""
+
+    heartbeat_s: float = 0.25
+    """How often each worker tells the store it is alive."""
+    dead_after_s: float = 3.0
+    """A worker whose heartbeat stands still this long is gone."""
+    collective_timeout_s: float = 15.0
+    """How long a collective may wait: the time to notice a host that vanished without
+    closing its connections (a dead process closes them, and is noticed at once)."""
+    join_timeout_s: float = 300.0
+    """How long the first membership waits for the job's workers, and a joiner to be let in."""
+    max_retries: int = 5
+    """Failures in a row at one step before the error is raised instead of regrouping."""
+    check_every: int = 100
+    """Compare the replicas' parameters every this many steps (0: never). See drift.py."""
+    repair: bool = True
+    """Repair a drifted replica from the majority (else raise DriftError)."""
+
+
+def batch_slice(step: int, global_batch: int, rank: int, world_size: int) -> range:
+    """Positions of global batch `step` that `rank` of `world_size` trains on: its share of
+    [step*G, (step+1)*G), contiguous, sizes differing by at most one. Weight each rank's
+    summed loss by world_size / global_batch so the average over ranks is the batch mean
+    whatever the split."""
+    start = step * global_batch
+    lo = start + rank * global_batch // world_size
+    hi = start + (rank + 1) * global_batch // world_size
+    return range(lo, hi)
+
+
+def membership_failure(error: BaseException) -> bool:
+    """Whether `error` says a peer is gone or unreachable (and the membership must be
+    agreed again), rather than a fault in this rank's own work."""
+    if isinstance(error, (comm.CollectiveError, dist.DistError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                  "Timed out waiting", "gloo", "Broken pipe"))
+
+
+class Elastic:
+    """Drives a training loop through failures and joins (see the module docstring).
+
+    Args:
+        module: the model, built the same way on every worker.
+        optimizer: over `module`'s parameters; stepped by `run_step`.
+        wrap: makes the data-parallel wrapper for a membership (DataParallel by default;
+            also a lockstep.lowcomm LocalSGD or DiLoCo). Called again whenever the world
+            changes (a new group); ZeRO is refused (a lost rank takes its shard with it).
+        state: objects with state_dict()/load_state_dict() that a joining worker must
+            receive (an LR scheduler, a loss scaler); the step and RNG go anyway.
+        config: timing and the drift check (ElasticConfig).
+        address: the job's store, HOST:PORT (default: the LOCKSTEP_ELASTIC variable).
+
+    Attributes: `model` (the current wrapper: use it, not a variable kept from before),
+    `world` (rank and size now), `step` (steps committed by the job), `lineage` (which
+    membership epoch committed which steps: [first step, epoch] runs).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 wrap: Callable[[nn.Module], nn.Module] | None = None, *,
+                 state: Mapping[str, Any] | None = None, config: ElasticConfig | None = None,
+                 address: str | None = None) -> None:
+        from lockstep.replica import DataParallel
+
+        self.module, self.optimizer = module, optimizer
+        self.wrap = wrap or DataParallel
+        self.state = dict(state or {})
+        self.config = config or ElasticConfig()
+        self.backend = current().backend if dist.is_initialized() else "gloo"
+        self.step = 0
+        self.lineage: list[list[int]] = []
+        self.model: Any = None  # DataParallel, or a lowcomm LocalSGD / DiLoCo
+        self.membership: Membership | None = None
+        self.regroups: list[dict[str, Any]] = []  # what happened, for reports and tests
+        self._phase, self._sync_retry, self._failures = 0, False, 0
+        self._completed_here = False
+        self.coordinator = Coordinator(_address(address), _host(), self.config,
+                                       int(os.environ.get(ENV_INITIAL, "1")))
+        self.drift: DriftCheck | None = None
+        started = time.monotonic()
+        self._admit(self.coordinator.enter(), rewrap=True, started=started)
+
+    @property
+    def world(self) -> World:
+        return current()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def run_step(self, train_step: Callable[[Any, int], T]) -> T | None:
+        """Run global step `self.step` to its commit: `train_step(model, step)` computes
+        gradients, the optimizer steps. Returns what `train_step` returned in the attempt
+        that counted -- None if the step was completed by peers while this rank's attempt
+        failed (it was then brought level from them)."""
+        start, value = self.step, None
+        while self.step == start:
+            try:
+                value = self._advance(train_step, value)
+            except Exception as error:
+                self._handle(error)
+        self._failures = 0
+        self._check_drift()
+        return value if self._completed_here else None
+
+    def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
+        self._completed_here = False
+        if self._phase == 0:
+            self.coordinator.heartbeat.tick(self.step)
+            if self.coordinator.grow_due(self._current(), self.step):
+                self._regroup(planned=True)
+            value = train_step(self.model, self.step)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._phase = 1
+        self._sync_round()
+        self._commit()
+        self._completed_here = True
+        return value
+
+    def _sync_round(self) -> None:
+        """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
+        failed synchronisation is retried among the survivors, not the step (the optimizer
+        has stepped): `after_step` counted it before it failed."""
+        after_step = getattr(self.model, "after_step", None)
+        if after_step is None:
+            return
+        if self._sync_retry:
+            self.model.synchronise()
+        else:
+            self._sync_retry = True
+            after_step()
+        self._sync_retry = False
+
+    def _commit(self) -> None:
+        epoch = self._current().epoch
+        if not self.lineage or self.lineage[-1][1] != epoch:
+            self.lineage.append([self.step, epoch])
+        self.step += 1
+        self._phase = 0
+
+    def _check_drift(self) -> None:
+        if self.drift is None or not self.drift.due(self.step):
+            return
+        try:
+            self.drift.check_and_repair(self.step, [self.optimizer], self.config.repair)
+        except Exception as error:  # a peer died during the check: the next step regroups
+            if not membership_failure(error):
+                raise
+            log.warning("rank %d: the drift check at step %d was interrupted: %s",
+                        self.world.rank, self.step, _first_line(error))
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def _handle(self, error: Exception) -> None:
+        if not membership_failure(error):
+            raise error
+        self._failures += 1
+        if self._failures > self.config.max_retries:
+            log.error("rank %d: step %d failed %d times in a row; giving up",
+                      self.world.rank, self.step, self._failures)
+            raise error
+        log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
+                    self.step, _first_line(error))
+        if self._phase == 0:  # the step's partial gradients are not to be used
+            self.optimizer.zero_grad(set_to_none=True)
+        self._regroup(planned=False)
+
+    def _regroup(self, planned: bool) -> None:
+        started = time.monotonic()
+        previous = self._current()
+        try:
+            membership = self.coordinator.regroup(previous, self.step, planned)
+        except Excluded as error:
+            log.warning("worker %d: %s; joining again", self.coordinator.id, error)
+            self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
+            return
+        rewrap = planned or bool(membership.joined) or not hasattr(self.model, "after_step")
+        self._admit(membership, rewrap=rewrap, started=started, previous=previous)
+
+    def _admit(self, membership: Membership, rewrap: bool, started: float,
+               previous: Membership | None = None) -> None:
+        """Make `membership` current: its group, the wrapper, state for whoever needs it."""
+        install(membership, self.coordinator.base, self.backend,
+                timedelta(seconds=self.config.collective_timeout_s))
+        if rewrap or self.model is None:
+            self._rewrap()
+        behind = self.coordinator.id in membership.behind
+        if membership.behind:
+            objects = hand_over(self.module, self.optimizer, self.model,
+                                self._objects(), receive=behind, receive_wrapper=rewrap)
+            if behind:
+                self._load_objects(objects)
+        self.step, self.membership = membership.step, membership
+        if behind:
+            self._phase, self._sync_retry = 0, False
+        self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
+        self.regroups.append(_report(membership, previous, time.monotonic() - started))
+        if membership.rank == 0:
+            log.warning(describe(membership, previous, time.monotonic() - started))
+
+    def _rewrap(self) -> None:
+        from lockstep.sharded import ShardedDataParallel
+
+        if self.model is not None:
+            close = getattr(self.model, "close", None)
+            if close is not None:
+                close()
+        self.model = self.wrap(self.module)
+        if isinstance(self.model, ShardedDataParallel):
+            self.model.close()
+            raise ValueError(
+                "fault tolerance refuses ZeRO: each rank holds only its shard of the "
+                "optimizer state (and at stage 3 of the parameters), so a rank that dies "
+                "takes its shard with it and no live peer has a copy to continue from; "
+                "use a replicated DataParallel (compression and every algorithm work)")
+        if self.config.check_every:
+            self.drift = DriftCheck(self.module, self.config.check_every)
+
+    def _objects(self) -> dict[str, Any]:
+        return {"step": self.step, "lineage": self.lineage,
+                "state": {k: v.state_dict() for k, v in self.state.items()}}
+
+    def _load_objects(self, objects: dict[str, Any]) -> None:
+        self.lineage = [list(run) for run in objects["lineage"]]
+        for key, value in objects["state"].items():
+            self.state[key].load_state_dict(value)
+
+    def _current(self) -> Membership:
+        assert self.membership is not None, "Elastic has not joined a membership"
+        return self.membership
+
+    def finish(self) -> None:
+        """Training is over on this worker: tell the job (waiting joiners exit) and leave."""
+        self.coordinator.finish()
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
+
+
+def describe(new: Membership, old: Membership | None, seconds: float) -> str:
+    """The line a user reads when the world changes."""
+    if old is None and not new.joined:
+        return (f"membership: {new.world_size} workers on {len(set(new.hosts))} host(s), "
+                f"epoch {new.epoch}")
+    parts = []
+    if new.lost:
+        gone = sorted({host for _, host, _ in new.lost} - set(new.hosts))
+        where = f"; host(s) {', '.join(gone)} gone entirely" if gone else ""
+        parts.append("lost " + ", ".join(f"worker {i} (pid {pid} on {host})"
+                                         for i, host, pid in new.lost) + where)
+    if new.joined:
+        parts.append(", ".join(new.name(i) for i in new.joined) + " joined, state sent "
+                     "from rank 0")
+    was = old.world_size if old is not None else "?"
+    return (f"membership epoch {new.epoch}: {'; '.join(parts) or 'regrouped'}; "
+            f"{was} -> {new.world_size} workers, continuing at step {new.step} "
+            f"(regrouped in {seconds:.1f}s)")
+
+
+def _report(new: Membership, old: Membership | None, seconds: float) -> dict[str, Any]:
+    return {"epoch": new.epoch, "step": new.step, "world_size": new.world_size,
+            "was": old.world_size if old is not None else None,
+            "lost": [i for i, _, _ in new.lost],
+            "joined": list(new.joined), "seconds": round(seconds, 3)}
+
+
+def _address(address: str | None) -> str:
+    found = address or os.environ.get(ENV_STORE)
+    if not found:
+        raise RuntimeError(f"lockstep.Elastic: no job store: launch with `lockstep run "
+                           f"--elastic`, or set {ENV_STORE}=HOST:PORT")
+    return found
+
+
+def _host() -> str:
+    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
+
+
+def _first_line(error: BaseException) -> str:
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"^rank \d+: ", "", line)[:200]  # the log record names the rank already

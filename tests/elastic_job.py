@@ -1,0 +1,120 @@
+"""A small fault-tolerant job for the tests: least squares in float64 under lockstep.Elastic.
+
+Launched with `lockstep run --elastic`. Every worker appends to OUT/worker-<id>.jsonl one
+line per attempted step (the membership epoch, its rank and world size, the sample indices
+it trained on, its pid) and, at the end, its final parameters and lineage -- so a test can
+check that no sample was lost or repeated, and compare the weights with one process
+training on the same global batches.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import lockstep
+from lockstep.elastic import Elastic, ElasticConfig, batch_slice
+from lockstep.lowcomm import DiLoCo, LocalSGD
+from lockstep.quorum import pending_joiners
+
+SAMPLES, FEATURES = 240, 8
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, FEATURES, generator=g, dtype=torch.float64)
+    w = torch.randn(FEATURES, 1, generator=g, dtype=torch.float64)
+    return x, x @ w + 0.1 * torch.randn(SAMPLES, 1, generator=g, dtype=torch.float64)
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(FEATURES, 1).double()
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def order(step: int, global_batch: int) -> tuple[torch.Tensor, int]:
+    """The epoch's sample order for global step `step`, and the step within the epoch."""
+    per_epoch = SAMPLES // global_batch
+    epoch, within = divmod(step, per_epoch)
+    return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(epoch)), within
+
+
+def wrapper(mode: str, every: int, algorithm: str):  # type: ignore[no-untyped-def]
+    if mode == "localsgd":
+        return lambda m: LocalSGD(m, every)
+    if mode == "diloco":
+        return lambda m: DiLoCo(m, every, outer_lr=1.0, outer_momentum=0.5)
+    if mode == "zero":
+        return lambda m: lockstep.shard(m, 1)
+    return lambda m: lockstep.DataParallel(m, algorithm=algorithm)
+
+
+def hold(job: Elastic) -> None:
+    deadline = time.monotonic() + 120
+    while not pending_joiners(job.coordinator.store) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--mode", default="dp", choices=["dp", "localsgd", "diloco", "zero"])
+    p.add_argument("--algorithm", default="native")
+    p.add_argument("--every", type=int, default=4, help="local SGD / DiLoCo round length")
+    p.add_argument("--check-every", type=int, default=0)
+    p.add_argument("--perturb", type=int, default=-1, help="worker 1 perturbs its weight "
+                   "in this step, after its gradient (a replica drifting)")
+    p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
+                   "worker is waiting to join (so a test's joiner always finds the job)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    x, y = data()
+    model, optimizer = build()
+    config = ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5, collective_timeout_s=10.0,
+                           check_every=args.check_every, join_timeout_s=60.0)
+    job = Elastic(model, optimizer, wrapper(args.mode, args.every, args.algorithm),
+                  config=config)
+    me = job.coordinator.id
+    log = (Path(args.out) / f"worker-{me}.jsonl").open("a")
+
+    def train_step(replica: nn.Module, step: int) -> None:
+        if step == args.hold_at:
+            hold(job)
+        world = job.world
+        permutation, within = order(step, args.global_batch)
+        indices = permutation[list(batch_slice(within, args.global_batch, world.rank,
+                                               world.world_size))]
+        log.write(json.dumps({"attempt": step, "epoch": job.membership.epoch,
+                              "rank": world.rank, "world": world.world_size, "worker": me,
+                              "pid": os.getpid(), "indices": indices.tolist(),
+                              "time": time.time()}) + "\n")
+        log.flush()
+        loss = ((replica(x[indices]) - y[indices]) ** 2).sum()
+        (loss * world.world_size / args.global_batch).backward()
+        if step == args.perturb and me == 1:
+            with torch.no_grad():
+                model.weight[0, 0] += 0.5
+        time.sleep(args.pace)
+
+    while job.step < args.steps:
+        job.run_step(train_step)
+    if hasattr(job.model, "finish"):
+        job.model.finish()
+    log.write(json.dumps({"final": True, "worker": me, "pid": os.getpid(),
+                          "rank": job.world.rank, "world": job.world.world_size,
+                          "step": job.step, "lineage": job.lineage, "regroups": job.regroups,
+                          "params": [v.flatten().tolist() for v in model.state_dict().values()],
+                          "drift_checks": job.drift.checks if job.drift else 0}) + "\n")
+    log.close()
+    job.finish()
+
+
+if __name__ == "__main__":
+    main()
