@@ -11,6 +11,7 @@ one process training on the same global batches.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,10 +96,8 @@ def _records(out: Path) -> list[dict[str, Any]]:
     found = []
     for path in out.glob("worker-*.jsonl"):
         for line in path.read_text().splitlines():
-            try:
+            with contextlib.suppress(ValueError):  # a line being written
                 found.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
     return found
 
 
@@ -134,9 +133,15 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int) -> dict[str, Any]
             "records": _records(out), "stderr": (out / "launcher1.err").read_text()}
 
 
-def _check_history(run: dict[str, Any], steps: int, global_batch: int) -> list[dict[str, Any]]:
+def _check_history(run: dict[str, Any], steps: int, global_batch: int,
+                   round_steps: int = 0) -> list[dict[str, Any]]:
     """No restart, a prompt resume, the world back to 3, every global batch trained exactly
-    once along the final lineage, at most one step redone. Returns the final records."""
+    once by the membership that committed the step, and at most one step redone. Returns
+    the final records.
+
+    With local SGD or DiLoCo (rounds of `round_steps`), a step is kept by whoever computed
+    it, and a worker that dies mid-round takes its share of the round's steps with it: in
+    that round each step's samples are only checked not to repeat."""
     records, victim = run["records"], run["victim"]
     finals = [r for r in records if r.get("final")]
     assert sorted(r["world"] for r in finals) == [3, 3, 3], finals
@@ -149,13 +154,18 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int) -> list[d
     assert all(r["lineage"] == lineage for r in finals)
     assert [run[1] for run in lineage] == list(range(len(lineage)))  # epochs 0, 1, 2
     attempts = [r for r in records if "attempt" in r]
+    died = max(r["attempt"] for r in attempts if r["worker"] == victim["worker"])
     for step in range(steps):
-        epoch = max(e for first, e in lineage if first <= step)
+        epoch = max(e for first, e in lineage if first <= step) if not round_steps else \
+            max(r["epoch"] for r in attempts if r["attempt"] == step)
         used = sorted(i for r in attempts if r["attempt"] == step and r["epoch"] == epoch
                       for i in r["indices"])
         permutation, within = elastic_job.order(step, global_batch)
-        expected = permutation[within * global_batch:(within + 1) * global_batch]
-        assert used == sorted(expected.tolist()), f"step {step}: {used}"
+        expected = sorted(permutation[within * global_batch:][:global_batch].tolist())
+        if round_steps and step // round_steps == died // round_steps:
+            assert len(set(used)) == len(used) and set(used) <= set(expected), step
+        else:
+            assert used == expected, f"step {step}: {used}"
     redone = {(r["attempt"], r["epoch"]) for r in attempts} - \
         {(s, max(e for f, e in lineage if f <= s)) for s in range(steps)}
     assert len({s for s, _ in redone}) <= 1, redone  # at most the interrupted step
@@ -199,12 +209,13 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
 
 
 def test_diloco_loses_and_regains_a_worker_between_rounds(tmp_path: Path) -> None:
-    """DiLoCo (rounds of 4 steps): the survivors finish the round without the dead worker;
-    the joiner is let in only at a round boundary, with the outer state."""
+    """DiLoCo (rounds of 4 steps): the survivors finish the round without the dead worker
+    (its share of the round is lost with it); the joiner is let in only at a round
+    boundary, with the outer state."""
     steps = 60
     run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
                                       "diloco", "--every", "4", "--hold-at", "30"], kill_at=9)
-    finals = _check_history(run, steps, 12)
+    finals = _check_history(run, steps, 12, round_steps=4)
     assert all(f["params"] == finals[0]["params"] for f in finals)  # replicas identical
     grown = [g for g in finals[0]["regroups"] if g["joined"]]
     assert grown and all(g["step"] % 4 == 0 for g in grown)
