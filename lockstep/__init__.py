@@ -20,6 +20,8 @@ from lockstep.checkpoint import CheckpointError, fingerprint
 from lockstep.comm import CollectiveError
 from lockstep.compress import PowerSGD, TopK
 from lockstep.consistency import ModelMismatchError
+from lockstep.drift import DriftCheck, DriftError
+from lockstep.elastic import Elastic, ElasticConfig
 from lockstep.join import JoinError
 from lockstep.memory import memory_report
 from lockstep.nonfinite import NonFiniteGradientError
@@ -44,6 +46,10 @@ __all__ = [
     "CheckpointError",
     "CollectiveError",
     "DataParallel",
+    "DriftCheck",
+    "DriftError",
+    "Elastic",
+    "ElasticConfig",
     "JoinError",
     "LRSchedule",
     "LossScaler",

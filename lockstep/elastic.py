@@ -256,6 +256,11 @@ class Elastic:
         self.regroups.append(_report(membership, previous, time.monotonic() - started))
         if membership.rank == 0:
             log.warning(describe(membership, previous, time.monotonic() - started))
+        elif self.coordinator.id in membership.joined:  # the newcomer's own launcher says so
+            log.warning("worker %d joined the job at step %d as rank %d of %d (state received "
+                        "from rank 0; %.1fs after it asked)", self.coordinator.id,
+                        membership.step, membership.rank, membership.world_size,
+                        time.monotonic() - started)
 
     def _rewrap(self) -> None:
         from lockstep.sharded import ShardedDataParallel
@@ -305,7 +310,7 @@ def describe(new: Membership, old: Membership | None, seconds: float) -> str:
     if new.lost:
         gone = sorted({host for _, host, _ in new.lost} - set(new.hosts))
         where = f"; host(s) {', '.join(gone)} gone entirely" if gone else ""
-        parts.append("lost " + ", ".join(f"worker {i} (pid {pid} on {host})"
+        parts.append("lost " + ", ".join(f"worker {i} (pid {pid} on host {host})"
                                          for i, host, pid in new.lost) + where)
     if new.joined:
         parts.append(", ".join(new.name(i) for i in new.joined) + " joined, state sent "

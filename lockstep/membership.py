@@ -93,7 +93,7 @@ class Membership:
     def name(self, worker: int) -> str:
         """How a user can find a member: its id, pid and host."""
         at = self.ids.index(worker)
-        return f"worker {worker} (pid {self.pids[at]} on {self.hosts[at]})"
+        return f"worker {worker} (pid {self.pids[at]} on host {self.hosts[at]})"
 
 
 def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membership:

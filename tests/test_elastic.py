@@ -50,7 +50,8 @@ def test_decide_puts_the_newest_state_first_and_groups_hosts() -> None:
     again = Membership.from_json(m.to_json(), me=3)
     assert again.ids == m.ids and again.rank == 3 and again.local == (1, 2)
     text = describe(m, Membership(3, (0, 1, 2, 3), ("a",) * 4, (10, 11, 12, 13), 8), 1.25)
-    assert "lost worker 1 (pid 11 on a)" in text and "worker 5 (pid 15 on b) joined" in text
+    assert "lost worker 1 (pid 11 on host a)" in text
+    assert "worker 5 (pid 15 on host b) joined" in text
     assert "4 -> 4 workers, continuing at step 8 (regrouped in 1.2s)" in text
 
 
@@ -203,7 +204,8 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
         "different version from rank(s) [0, 2]; repairing from rank 0" in stderr
     assert f"(pid {run['victim']['pid']}) was killed by SIGKILL; the job goes on without " \
         "it" in stderr
-    assert f"lost worker {run['victim']['worker']} (pid {run['victim']['pid']} on " in stderr
+    assert f"lost worker {run['victim']['worker']} (pid {run['victim']['pid']} on host " \
+        in stderr
     assert "3 -> 2 workers, continuing at step" in stderr
     assert "joined, state sent from rank 0; 2 -> 3 workers" in stderr
 
