@@ -23,6 +23,7 @@ At most the interrupted step is lost; a global batch is the same samples at any 
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -134,6 +135,7 @@ class Elastic:
         self.regroups: list[dict[str, Any]] = []  # what happened, for reports and tests
         self._phase, self._sync_retry, self._failures = 0, False, 0
         self._completed_here = False
+        self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
         self.coordinator = Coordinator(_address(address), _host(), self.config,
                                        int(os.environ.get(ENV_INITIAL, "1")))
         self.drift: DriftCheck | None = None
@@ -153,13 +155,18 @@ class Elastic:
         failed (it was then brought level from them)."""
         start, value = self.step, None
         while self.step == start:
+            failure: Exception | None = None
             try:
                 value = self._advance(train_step, value)
             except Exception as error:
-                self._handle(error)
+                failure = error
+            if failure is not None:  # handled outside `except`, which would pin its frames
+                self._handle(failure)
         self._failures = 0
+        if not self._completed_here:  # brought level from a peer: the peers that completed
+            return None               # the step already tried the check, in the old group
         self._check_drift()
-        return value if self._completed_here else None
+        return value
 
     def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
         self._completed_here = False
@@ -211,34 +218,63 @@ class Elastic:
     # ---- failures ------------------------------------------------------------------------
 
     def _handle(self, error: Exception) -> None:
-        if not membership_failure(error):
-            raise error
-        self._failures += 1
-        if self._failures > self.config.max_retries:
-            log.error("rank %d: step %d failed %d times in a row; giving up",
-                      self.world.rank, self.step, self._failures)
-            raise error
-        log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
-                    self.step, _first_line(error))
-        if self._phase == 0:  # the step's partial gradients are not to be used
-            self.optimizer.zero_grad(set_to_none=True)
-        self._regroup(planned=False)
+        """Regroup after a membership failure -- again if a peer fails during the regroup
+        itself -- or raise: any other error, or too many failures in a row."""
+        while True:
+            if not membership_failure(error):
+                raise error
+            self._failures += 1
+            if self._failures > self.config.max_retries:
+                log.error("rank %d: step %d failed %d times in a row; giving up",
+                          self.world.rank, self.step, self._failures)
+                raise error
+            log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
+                        self.step, _first_line(error))
+            _forget_frames(error)
+            if self._phase == 0:  # the step's partial gradients are not to be used
+                self.optimizer.zero_grad(set_to_none=True)
+            try:
+                self._regroup(planned=False)
+                return
+            except Exception as again:
+                error = again
 
     def _regroup(self, planned: bool) -> None:
         started = time.monotonic()
         previous = self._current()
+        # A DataParallel is built for its world size: rebuilt. Local SGD / DiLoCo keep
+        # their round's progress through a failure; joiners need a fresh one everywhere.
+        rewrap = planned or not self._keeps_wrapper
+        self._leave_group(drop_wrapper=rewrap)
         try:
             membership = self.coordinator.regroup(previous, self.step, planned)
         except Excluded as error:
             log.warning("worker %d: %s; joining again", self.coordinator.id, error)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
             return
-        rewrap = planned or bool(membership.joined) or not hasattr(self.model, "after_step")
-        self._admit(membership, rewrap=rewrap, started=started, previous=previous)
+        self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
+                    previous=previous)
+
+    def _leave_group(self, drop_wrapper: bool) -> None:
+        """Close the old group's connections before the quorum, so a peer still blocked in
+        a collective with this rank fails at once rather than at its timeout. Nothing may
+        keep the group alive: the wrapper's own groups go with it, and the failed work
+        with the error's frames (_forget_frames)."""
+        if drop_wrapper and self.model is not None:
+            close = getattr(self.model, "close", None)
+            if close is not None:
+                close()
+            self.model = None
+        gc.collect()  # frames and works in reference cycles
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def _admit(self, membership: Membership, rewrap: bool, started: float,
                previous: Membership | None = None) -> None:
-        """Make `membership` current: its group, the wrapper, state for whoever needs it."""
+        """Make `membership` current: its group, the wrapper, state for whoever needs it.
+        It is current from the start: if a member fails mid-way, the next regroup starts
+        from these members (and this rank's step still says what it has committed)."""
+        self.membership = membership
         install(membership, self.coordinator.base, self.backend,
                 timedelta(seconds=self.config.collective_timeout_s))
         if rewrap or self.model is None:
@@ -249,7 +285,7 @@ class Elastic:
                                 self._objects(), receive=behind, receive_wrapper=rewrap)
             if behind:
                 self._load_objects(objects)
-        self.step, self.membership = membership.step, membership
+        self.step = membership.step
         if behind:
             self._phase, self._sync_retry = 0, False
         self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
@@ -270,6 +306,7 @@ class Elastic:
             if close is not None:
                 close()
         self.model = self.wrap(self.module)
+        self._keeps_wrapper = hasattr(self.model, "after_step")
         if isinstance(self.model, ShardedDataParallel):
             self.model.close()
             raise ValueError(
@@ -338,6 +375,20 @@ def _address(address: str | None) -> str:
 
 def _host() -> str:
     return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Drop the frames an error (and the errors it came from) keeps: they hold the failed
+    collective's work, which holds the group's connections open."""
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
 
 
 def _first_line(error: BaseException) -> str:

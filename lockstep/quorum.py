@@ -179,6 +179,7 @@ class Coordinator:
     def __init__(self, address: str, host: str, config: ElasticConfig,
                  initial: int) -> None:
         self.config, self.host, self.initial = config, host, initial
+        self.latest = -1  # the newest epoch this worker has seen decided
         self.base = connect(address, timedelta(seconds=config.collective_timeout_s))
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.id = int(self.store.add("next_id", 1)) - 1
@@ -207,6 +208,7 @@ class Coordinator:
             key = f"members/{epoch}"
             if self.store.check([key]):
                 text = self.store.get(key).decode()
+                self.latest = max(self.latest, epoch)
                 if text != ABANDONED and self.id in json.loads(text)["ids"]:
                     return Membership.from_json(text, self.id)
                 epoch += 1
@@ -239,7 +241,7 @@ class Coordinator:
         """The next membership, agreed with every live member of `current`: after a
         failure (`planned=False`), or at the step boundary set for joiners (`planned`,
         which admits them). Raises Excluded if the others went on without this worker."""
-        epoch = current.epoch + 1
+        epoch = max(current.epoch, self.latest) + 1  # past any epoch decided since
         while True:
             decided = self._quorum(epoch, current, step, planned)
             if decided is None:  # its leader died before deciding
@@ -266,6 +268,7 @@ class Coordinator:
                     for joiner in decision.joined:
                         self.store.set(f"admitted/{joiner}", "1")
         text = self._await(key, epoch)
+        self.latest = max(self.latest, epoch)
         return None if text == ABANDONED else Membership.from_json(text, self.id)
 
     def _lead(self, epoch: int, current: Membership | None, planned: bool) -> Membership:
