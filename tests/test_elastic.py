@@ -112,18 +112,20 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
     raise AssertionError(f"timed out waiting for {why}")
 
 
-def _kill_and_rejoin(out: Path, args: list[str], kill_at: int) -> dict[str, Any]:
-    """Three workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go on
-    without it, a second launcher adds one worker. Returns what happened."""
+def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3
+                     ) -> dict[str, Any]:
+    """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
+    on without it, a second launcher adds one worker. Returns what happened."""
     port = _free_port()
-    first = _launch(out, port, 3, args, "launcher1.err")
+    first = _launch(out, port, nproc, args, "launcher1.err")
     second = None
     try:
         victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1, 90,
                            f"step {kill_at}")[0]
         os.kill(victim["pid"], signal.SIGKILL)
         killed = time.time()
-        resumed = _wait_for(out, lambda r: r["world"] == 2, 30, "the survivors to resume")
+        resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
+                            "the survivors to resume")
         second = _launch(out, port, 1, args, "launcher2.err")
         assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
     finally:
@@ -131,13 +133,14 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int) -> dict[str, Any]
             if launcher is not None and launcher.poll() is None:
                 launcher.kill()
     return {"victim": victim, "killed": killed, "resumed": min(r["time"] for r in resumed),
-            "records": _records(out), "stderr": (out / "launcher1.err").read_text()}
+            "records": _records(out), "stderr": (out / "launcher1.err").read_text(),
+            "nproc": nproc}
 
 
 def _check_history(run: dict[str, Any], steps: int, global_batch: int,
                    round_steps: int = 0) -> list[dict[str, Any]]:
-    """No restart, a prompt resume, the world back to 3, every global batch trained exactly
-    once by the membership that committed the step, and at most one step redone. Returns
+    """No restart, a prompt resume, the world back to its size, every global batch trained
+    exactly once by the membership that committed the step, at most one step redone. Returns
     the final records.
 
     With local SGD or DiLoCo (rounds of `round_steps`), a step is kept by whoever computed
@@ -145,7 +148,8 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int,
     that round each step's samples are only checked not to repeat."""
     records, victim = run["records"], run["victim"]
     finals = [r for r in records if r.get("final")]
-    assert sorted(r["world"] for r in finals) == [3, 3, 3], finals
+    nproc = run["nproc"]
+    assert sorted(r["world"] for r in finals) == [nproc] * nproc, finals
     assert all(r["step"] == steps for r in finals)
     survivors = {r["worker"]: r["pid"] for r in records if "attempt" in r and r["epoch"] == 0}
     for r in records:  # a survivor's pid never changed: nothing was restarted
@@ -211,12 +215,13 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
 
 
 def test_diloco_loses_and_regains_a_worker_between_rounds(tmp_path: Path) -> None:
-    """DiLoCo (rounds of 4 steps): the survivors finish the round without the dead worker
-    (its share of the round is lost with it); the joiner is let in only at a round
-    boundary, with the outer state."""
+    """DiLoCo (rounds of 4 steps), 2 workers: the survivor finishes the round without the
+    dead one (whose share of the round is lost with it); the joiner is let in only at a
+    round boundary, with the outer state."""
     steps = 60
     run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
-                                      "diloco", "--every", "4", "--hold-at", "30"], kill_at=9)
+                                      "diloco", "--every", "4", "--hold-at", "30"], kill_at=9,
+                           nproc=2)
     finals = _check_history(run, steps, 12, round_steps=4)
     assert all(f["params"] == finals[0]["params"] for f in finals)  # replicas identical
     grown = [g for g in finals[0]["regroups"] if g["joined"]]
