@@ -47,14 +47,15 @@ def records(folder: Path) -> list[dict[str, Any]]:
     return found
 
 
-def wait_for(folder: Path, test: Any, deadline_s: float = 300) -> list[dict[str, Any]]:
+def wait_for(folder: Path, test: Any, job: subprocess.Popen[str],
+             deadline_s: float = 300) -> list[dict[str, Any]]:
     deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and job.poll() is None:
         hits = [r for r in records(folder) if "attempt" in r and test(r)]
         if hits:
             return hits
         time.sleep(0.05)
-    raise TimeoutError("the job did not get there")
+    raise RuntimeError(f"the job did not get there:\n{job.communicate()[0]}")
 
 
 def shown(output: str) -> list[str]:
@@ -127,17 +128,19 @@ def run_job(commands: list[list[str]], env: list[dict[str, str]] | None = None
 
 
 def one_host(args: argparse.Namespace, tmp: Path) -> None:
-    extra = ["--epochs", str(args.epochs)]
+    extra = ["--epochs", str(args.epochs), "--algorithm", args.algorithm or "native"]
+    extra += ["--compress", args.compress] if args.compress else []
     base = tmp / "base"
-    print("== uninterrupted: lockstep run --elastic -n 3 examples/elastic_mnist.py ==")
+    print(f"== uninterrupted: lockstep run --elastic -n 3 examples/elastic_mnist.py "
+          f"{' '.join(extra)} ==")
     out = run_job([launcher(3, "127.0.0.1:29471", base, extra)])[0].communicate()[0]
     print(out.rstrip())
     folder = tmp / "ft"
     first = run_job([launcher(3, "127.0.0.1:29472", folder, extra)])[0]
-    victim = wait_for(folder, lambda r: r["attempt"] >= 40 and r["rank"] == 1)[0]
+    victim = wait_for(folder, lambda r: r["attempt"] >= 40 and r["rank"] == 1, first)[0]
     os.kill(victim["pid"], signal.SIGKILL)
     killed = time.time()
-    wait_for(folder, lambda r: r["world"] == 2)
+    wait_for(folder, lambda r: r["world"] == 2, first)
     second = run_job([launcher(1, "127.0.0.1:29472", folder, extra)])[0]
     out1, out2 = first.communicate()[0], second.communicate()[0]
     print(f"\n== kill -9 of pid {victim['pid']} (rank 1) at step {victim['attempt']}; "
@@ -152,7 +155,8 @@ def one_host(args: argparse.Namespace, tmp: Path) -> None:
 def cluster(args: argparse.Namespace, tmp: Path) -> None:
     from lockstep.cluster import Cluster
 
-    extra = ["--epochs", str(args.epochs), "--algorithm", "hierarchical"]
+    extra = ["--epochs", str(args.epochs), "--algorithm", args.algorithm or "hierarchical"]
+    extra += ["--compress", args.compress] if args.compress else []
     with Cluster(hosts=2, bandwidth=args.bandwidth) as c:
         def on_host(host: int, record: Path, port: int) -> list[str]:
             command = launcher(2, f"{c.address(0)}:{port}", record, extra)
@@ -167,13 +171,13 @@ def cluster(args: argparse.Namespace, tmp: Path) -> None:
         print("\n".join(f"[host {h}] {line}" for h, o in enumerate(outs) for line in shown(o)))
         folder = tmp / "ft"
         jobs = run_job([on_host(h, folder, 29482) for h in (0, 1)], [c.env(0), c.env(1)])
-        wait_for(folder, lambda r: r["attempt"] >= 40)
+        wait_for(folder, lambda r: r["attempt"] >= 40, jobs[0])
         pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", c.netns(1)],
                                                capture_output=True, text=True).stdout.split()]
         for pid in pids:  # the whole host: its launcher and both workers
             os.kill(pid, signal.SIGKILL)
         killed = time.time()
-        wait_for(folder, lambda r: r["world"] == 2)
+        wait_for(folder, lambda r: r["world"] == 2, jobs[0])
         again = run_job([on_host(1, folder, 29482)], [c.env(1)])[0]
         out0, out1 = jobs[0].communicate()[0], again.communicate()[0]
         print(f"\n== host 1 killed (pids {pids}) at step ~40; then started again ==")
@@ -189,6 +193,9 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=12)
     p.add_argument("--cluster", action="store_true", help="2 emulated hosts (needs root)")
     p.add_argument("--bandwidth", default="1gbit")
+    p.add_argument("--algorithm", default=None,
+                   help="DataParallel's (default: native; hierarchical on the cluster)")
+    p.add_argument("--compress", default=None, help="bf16 or fp16 on the wire")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lockstep-elastic-") as tmp:
         (cluster if args.cluster else one_host)(args, Path(tmp))

@@ -139,8 +139,9 @@ def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
                     del running[i]
                     if w.returncode != 0 and not stopping:
                         failures.append(w.returncode)
-                        print(f"{_SAY} local worker {i} (pid {w.pid}) {_how(w.returncode)}; "
-                              "the job goes on without it", file=sys.stderr, flush=True)
+                        goes_on = "; the job goes on without it" if running else ""
+                        print(f"{_SAY} local worker {i} (pid {w.pid}) {_how(w.returncode)}"
+                              f"{goes_on}", file=sys.stderr, flush=True)
             time.sleep(0.1)
     finally:
         for s, handler in previous.items():
