@@ -41,7 +41,7 @@ from lockstep import comm
 from lockstep.drift import DriftCheck
 from lockstep.handover import hand_over
 from lockstep.logs import get_logger
-from lockstep.membership import Membership, install
+from lockstep.membership import Membership, describe, install, report
 from lockstep.quorum import Coordinator, Excluded
 from lockstep.world import World, current
 
@@ -109,23 +109,29 @@ class Elastic:
             changes (a new group); ZeRO is refused (a lost rank takes its shard with it).
         state: objects with state_dict()/load_state_dict() that a joining worker must
             receive (an LR scheduler, a loss scaler); the step and RNG go anyway.
+        update: how a step's gradients are applied, once every rank has them (default:
+            `optimizer.step()` and `zero_grad`); a loss scaler's step, an LR scheduler's
+            step belong here, so they count exactly once per committed step.
         config: timing and the drift check (ElasticConfig).
         address: the job's store, HOST:PORT (default: the LOCKSTEP_ELASTIC variable).
 
     Attributes: `model` (the current wrapper: use it, not a variable kept from before),
-    `world` (rank and size now), `step` (steps committed by the job), `lineage` (which
-    membership epoch committed which steps: [first step, epoch] runs).
+    `world` (rank and size now), `step` (steps committed by the job), `completed_here`
+    (False when the last step was completed by peers and this rank brought level from
+    them), `lineage` (which membership epoch committed which steps: [first step, epoch]).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  wrap: Callable[[nn.Module], nn.Module] | None = None, *,
                  state: Mapping[str, Any] | None = None, config: ElasticConfig | None = None,
-                 address: str | None = None) -> None:
+                 update: Callable[[], None] | None = None, address: str | None = None
+                 ) -> None:
         from lockstep.replica import DataParallel
 
         self.module, self.optimizer = module, optimizer
         self.wrap = wrap or DataParallel
         self.state = dict(state or {})
+        self.update = update or self._step_optimizer
         self.config = config or ElasticConfig()
         self.backend = current().backend if dist.is_initialized() else "gloo"
         self.step = 0
@@ -134,7 +140,7 @@ class Elastic:
         self.membership: Membership | None = None
         self.regroups: list[dict[str, Any]] = []  # what happened, for reports and tests
         self._phase, self._sync_retry, self._failures = 0, False, 0
-        self._completed_here = False
+        self.completed_here = False  # see the class docstring
         self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
         self.coordinator = Coordinator(_address(address), _host(), self.config,
                                        int(os.environ.get(ENV_INITIAL, "1")))
@@ -163,25 +169,40 @@ class Elastic:
             if failure is not None:  # handled outside `except`, which would pin its frames
                 self._handle(failure)
         self._failures = 0
-        if not self._completed_here:  # brought level from a peer: the peers that completed
+        if not self.completed_here:  # brought level from a peer: the peers that completed
             return None               # the step already tried the check, in the old group
         self._check_drift()
         return value
 
     def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
-        self._completed_here = False
+        self.completed_here = False
         if self._phase == 0:
             self.coordinator.heartbeat.tick(self.step)
             if self.coordinator.grow_due(self._current(), self.step):
                 self._regroup(planned=True)
             value = train_step(self.model, self.step)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.update()
             self._phase = 1
         self._sync_round()
         self._commit()
-        self._completed_here = True
+        self.completed_here = True
         return value
+
+    def _step_optimizer(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def collective(self, fn: Callable[[], T]) -> T:
+        """Run `fn` -- collective work outside a training step that changes no training
+        state (an evaluation's all-reduce, a checkpoint) -- again on the new membership
+        if a peer fails during it."""
+        while True:
+            failure: Exception | None = None
+            try:
+                return fn()
+            except Exception as error:
+                failure = error
+            self._handle(failure)
 
     def _sync_round(self) -> None:
         """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
@@ -289,7 +310,7 @@ class Elastic:
         if behind:
             self._phase, self._sync_retry = 0, False
         self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
-        self.regroups.append(_report(membership, previous, time.monotonic() - started))
+        self.regroups.append(report(membership, previous, time.monotonic() - started))
         if membership.rank == 0:
             log.warning(describe(membership, previous, time.monotonic() - started))
         elif self.coordinator.id in membership.joined:  # the newcomer's own launcher says so
@@ -336,33 +357,6 @@ class Elastic:
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
-
-
-def describe(new: Membership, old: Membership | None, seconds: float) -> str:
-    """The line a user reads when the world changes."""
-    if old is None and not new.joined:
-        return (f"membership: {new.world_size} workers on {len(set(new.hosts))} host(s), "
-                f"epoch {new.epoch}")
-    parts = []
-    if new.lost:
-        gone = sorted({host for _, host, _ in new.lost} - set(new.hosts))
-        where = f"; host(s) {', '.join(gone)} gone entirely" if gone else ""
-        parts.append("lost " + ", ".join(f"worker {i} (pid {pid} on host {host})"
-                                         for i, host, pid in new.lost) + where)
-    if new.joined:
-        parts.append(", ".join(new.name(i) for i in new.joined) + " joined, state sent "
-                     "from rank 0")
-    was = old.world_size if old is not None else "?"
-    return (f"membership epoch {new.epoch}: {'; '.join(parts) or 'regrouped'}; "
-            f"{was} -> {new.world_size} workers, continuing at step {new.step} "
-            f"(regrouped in {seconds:.1f}s)")
-
-
-def _report(new: Membership, old: Membership | None, seconds: float) -> dict[str, Any]:
-    return {"epoch": new.epoch, "step": new.step, "world_size": new.world_size,
-            "was": old.world_size if old is not None else None,
-            "lost": [i for i, _, _ in new.lost],
-            "joined": list(new.joined), "seconds": round(seconds, 3)}
 
 
 def _address(address: str | None) -> str:

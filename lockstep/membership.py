@@ -20,6 +20,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -121,6 +122,33 @@ def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membe
                       tuple(c.pid for c in members), step, behind,
                       tuple(c.id for c in members if c.rank is None),
                       tuple((c.id, c.host, c.pid) for c in lost))
+
+
+def describe(new: Membership, old: Membership | None, seconds: float) -> str:
+    """The line a user reads when the world changes (the new rank 0 logs it)."""
+    if old is None and not new.joined:
+        return (f"membership: {new.world_size} workers on {len(set(new.hosts))} host(s), "
+                f"epoch {new.epoch}")
+    parts = []
+    if new.lost:
+        gone = sorted({host for _, host, _ in new.lost} - set(new.hosts))
+        where = f"; host(s) {', '.join(gone)} gone entirely" if gone else ""
+        parts.append("lost " + ", ".join(f"worker {i} (pid {pid} on host {host})"
+                                         for i, host, pid in new.lost) + where)
+    if new.joined:
+        parts.append(", ".join(new.name(i) for i in new.joined) + " joined, state sent "
+                     "from rank 0")
+    was = old.world_size if old is not None else "?"
+    return (f"membership epoch {new.epoch}: {'; '.join(parts) or 'regrouped'}; "
+            f"{was} -> {new.world_size} workers, continuing at step {new.step} "
+            f"(regrouped in {seconds:.1f}s)")
+
+
+def report(new: Membership, old: Membership | None, seconds: float) -> dict[str, Any]:
+    return {"epoch": new.epoch, "step": new.step, "world_size": new.world_size,
+            "was": old.world_size if old is not None else None,
+            "lost": [i for i, _, _ in new.lost],
+            "joined": list(new.joined), "seconds": round(seconds, 3)}
 
 
 def _seniority(c: Candidate) -> tuple[int, int]:

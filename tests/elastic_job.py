@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep import comm
 from lockstep.elastic import Elastic, ElasticConfig, batch_slice
 from lockstep.lowcomm import DiLoCo, LocalSGD
 from lockstep.quorum import pending_joiners
@@ -37,6 +38,10 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 
+def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+
+
 def order(step: int, global_batch: int) -> tuple[torch.Tensor, int]:
     """The epoch's sample order for global step `step`, and the step within the epoch."""
     per_epoch = SAMPLES // global_batch
@@ -52,6 +57,15 @@ def wrapper(mode: str, every: int, algorithm: str):  # type: ignore[no-untyped-d
     if mode == "zero":
         return lambda m: lockstep.shard(m, 1)
     return lambda m: lockstep.DataParallel(m, algorithm=algorithm)
+
+
+def evaluate(job: Elastic, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The mean squared error over all samples, each rank summing its share."""
+    world = job.world
+    mine = batch_slice(0, SAMPLES, world.rank, world.world_size)
+    with torch.no_grad():
+        total = ((job.module(x[mine.start:mine.stop]) - y[mine.start:mine.stop]) ** 2).sum()
+    return float(comm.all_reduce(total.reshape(1), "evaluation").item()) / SAMPLES
 
 
 def hold(job: Elastic) -> None:
@@ -79,8 +93,15 @@ def main() -> None:
     model, optimizer = build()
     config = ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5, collective_timeout_s=10.0,
                            check_every=args.check_every, join_timeout_s=60.0)
+    lr = schedule(optimizer)
+
+    def update() -> None:
+        optimizer.step()
+        lr.step()
+        optimizer.zero_grad(set_to_none=True)
+
     job = Elastic(model, optimizer, wrapper(args.mode, args.every, args.algorithm),
-                  config=config)
+                  state={"schedule": lr}, config=config, update=update)
     me = job.coordinator.id
     log = (Path(args.out) / f"worker-{me}.jsonl").open("a")
 
@@ -107,9 +128,11 @@ def main() -> None:
         job.run_step(train_step)
     if hasattr(job.model, "finish"):
         job.model.finish()
+    mse = job.collective(lambda: evaluate(job, x, y))
     log.write(json.dumps({"final": True, "worker": me, "pid": os.getpid(),
                           "rank": job.world.rank, "world": job.world.world_size,
                           "step": job.step, "lineage": job.lineage, "regroups": job.regroups,
+                          "mse": mse,
                           "params": [v.flatten().tolist() for v in model.state_dict().values()],
                           "drift_checks": job.drift.checks if job.drift else 0}) + "\n")
     log.close()

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from lockstep.comm import CollectiveError
-from lockstep.elastic import batch_slice, describe, membership_failure
-from lockstep.membership import Candidate, Membership, decide, layout
+from lockstep.elastic import batch_slice, membership_failure
+from lockstep.membership import Candidate, Membership, decide, describe, layout
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "elastic_job.py")
@@ -181,25 +181,31 @@ def _reference(steps: int, global_batch: int) -> list[torch.Tensor]:
     """One process, the same global batches, the same optimizer."""
     x, y = elastic_job.data()
     model, optimizer = elastic_job.build()
+    schedule = elastic_job.schedule(optimizer)
     for step in range(steps):
         permutation, within = elastic_job.order(step, global_batch)
         batch = permutation[within * global_batch:(within + 1) * global_batch]
         (((model(x[batch]) - y[batch]) ** 2).sum() / global_batch).backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
     return [v.flatten() for v in model.state_dict().values()]
 
 
 def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
-    """DataParallel under Elastic, with the drift check on: worker 1 perturbs its weight
-    at step 4, the check after it names it and repairs it from the majority; at step 8 it
-    is killed; a new worker joins later. The final weights equal one process's."""
+    """DataParallel under Elastic, with the drift check on and an LR schedule stepped in
+    `update`: worker 1 perturbs its weight at step 4, the check after it names it and
+    repairs it from the majority; at step 8 it is killed; a new worker joins later (and
+    receives the schedule's state). The final weights equal one process's."""
     steps, args = 60, ["--steps", "60", "--pace", "0.04", "--check-every", "5",
                        "--perturb", "4", "--hold-at", "30"]
     run = _kill_and_rejoin(tmp_path, args, kill_at=8)
     finals = _check_history(run, steps, 12)
     expected = _reference(steps, 12)
+    x, y = elastic_job.data()
+    mse = ((x @ expected[0][:, None] + expected[1] - y) ** 2).mean().item()
     for final in finals:
+        assert abs(final["mse"] - mse) < 1e-12  # job.collective's all-reduce, after the rejoin
         for got, want in zip(final["params"], expected, strict=True):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
                                        rtol=1e-9, atol=1e-11)
