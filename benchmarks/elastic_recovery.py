@@ -8,6 +8,8 @@ One host: 3 workers under `lockstep run --elastic`; at step 40 (mid-epoch) one i
 with SIGKILL; once the others go on, a second `lockstep run --elastic -n 1` adds a worker.
 Cluster: 2 emulated hosts (lockstep.cluster) of 2 workers each, hierarchical all-reduce;
 at step 40 every process of host 1 is killed; then the same launcher is started there again.
+With `--cut 25`, host 1's link goes down for 25 s instead (a host lost without a word: no
+connection closes), and its workers come back by themselves.
 
 Prints what the user sees, then the audit from the workers' records: the survivors' pids
 (no restart), how long until they trained again, the world sizes, the steps redone, whether
@@ -172,20 +174,37 @@ def cluster(args: argparse.Namespace, tmp: Path) -> None:
         folder = tmp / "ft"
         jobs = run_job([on_host(h, folder, 29482) for h in (0, 1)], [c.env(0), c.env(1)])
         wait_for(folder, lambda r: r["attempt"] >= 40, jobs[0])
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", c.netns(1)],
-                                               capture_output=True, text=True).stdout.split()]
-        for pid in pids:  # the whole host: its launcher and both workers
-            os.kill(pid, signal.SIGKILL)
-        killed = time.time()
-        wait_for(folder, lambda r: r["world"] == 2, jobs[0])
-        again = run_job([on_host(1, folder, 29482)], [c.env(1)])[0]
-        out0, out1 = jobs[0].communicate()[0], again.communicate()[0]
-        print(f"\n== host 1 killed (pids {pids}) at step ~40; then started again ==")
+        if args.cut:
+            what, victims, host1 = f"host 1's link cut for {args.cut:.0f}s", [], jobs[1]
+            lost = cut_link(c, folder, jobs[0], args.cut)
+        else:
+            victims = [int(p) for p in subprocess.run(["ip", "netns", "pids", c.netns(1)],
+                                                      capture_output=True, text=True
+                                                      ).stdout.split()]
+            for pid in victims:  # the whole host: its launcher and both workers
+                os.kill(pid, signal.SIGKILL)
+            lost, what = time.time(), f"host 1 killed (pids {victims})"
+            wait_for(folder, lambda r: r["world"] == 2, jobs[0])
+            host1 = run_job([on_host(1, folder, 29482)], [c.env(1)])[0]
+        out0, out1 = jobs[0].communicate()[0], host1.communicate()[0]
+        print(f"\n== {what} at step ~40; then it is back ==")
         print("\n".join(f"[host 0] {line}" for line in shown(out0)))
-        print("\n".join(f"[host 1, again] {line}" for line in shown(out1)))
+        print("\n".join(f"[host 1] {line}" for line in shown(out1)))
         result = {"accuracy": accuracy(out0 + out1), "audit": audit(folder, 96, 4000)}
-        report("2 hosts x 2, a host killed and restarted", accuracy(outs[0] + outs[1]),
-               result, killed, pids)
+        report(f"2 hosts x 2, {what}", accuracy(outs[0] + outs[1]), result, lost, victims)
+
+
+def cut_link(c: Any, folder: Path, job: subprocess.Popen[str], seconds: float) -> float:
+    """Take host 1 off the network without a word (no connection is closed: the others
+    notice by their collective timeout), then bring it back: its workers, excluded
+    meanwhile, join again by themselves."""
+    link = ["ip", "-n", c.netns(1), "link", "set", "dev", c.interface(1)]
+    subprocess.run([*link, "down"], check=True)
+    cut = time.time()
+    wait_for(folder, lambda r: r["world"] == 2, job)
+    time.sleep(max(0.0, seconds - (time.time() - cut)))
+    subprocess.run([*link, "up"], check=True)
+    return cut
 
 
 def main() -> None:
@@ -196,6 +215,8 @@ def main() -> None:
     p.add_argument("--algorithm", default=None,
                    help="DataParallel's (default: native; hierarchical on the cluster)")
     p.add_argument("--compress", default=None, help="bf16 or fp16 on the wire")
+    p.add_argument("--cut", type=float, default=0.0, help="with --cluster: cut host 1's "
+                   "link for this many seconds instead of killing its processes")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="lockstep-elastic-") as tmp:
         (cluster if args.cluster else one_host)(args, Path(tmp))
