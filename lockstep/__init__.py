@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.comm import CollectiveError
     from lockstep.comm.world import World, init
+    from lockstep.elastic import Elastic, ElasticConfig
     from lockstep.lowcomm.paramserver import AsyncConfig
     from lockstep.lowcomm.rounds import DiLoCo, DiLoCoConfig, LocalSGD, LocalSGDConfig
     from lockstep.optim import LAMB, LARS, LRSchedule
     from lockstep.replication.algorithms import AllReduce
     from lockstep.replication.compress import PowerSGD, TopK
     from lockstep.replication.consistency import ModelMismatchError
+    from lockstep.replication.drift import DriftCheck, DriftError
     from lockstep.replication.join import JoinError
     from lockstep.replication.memory import memory_report
     from lockstep.replication.nonfinite import NonFiniteGradientError
@@ -68,6 +70,10 @@ _WHERE = {
     "DataParallel": "lockstep.replication.replica",
     "DiLoCo": "lockstep.lowcomm.rounds",
     "DiLoCoConfig": "lockstep.lowcomm.rounds",
+    "DriftCheck": "lockstep.replication.drift",
+    "DriftError": "lockstep.replication.drift",
+    "Elastic": "lockstep.elastic",
+    "ElasticConfig": "lockstep.elastic",
     "JoinError": "lockstep.replication.join",
     "LAMB": "lockstep.optim",
     "LARS": "lockstep.optim",
@@ -99,8 +105,8 @@ _WHERE = {
     "seed_everything": "lockstep.seeding",
     "shard": "lockstep.sharding.sharded",
 }
-_SUBPACKAGES = ("comm", "demo", "launch", "lowcomm", "replication", "sharding", "tools",
-                "training")
+_SUBPACKAGES = ("comm", "demo", "elastic", "launch", "lowcomm", "replication", "sharding",
+                "tools", "training")
 
 
 def __getattr__(name: str) -> Any:
@@ -130,6 +136,10 @@ __all__ = [
     "DataParallel",
     "DiLoCo",
     "DiLoCoConfig",
+    "DriftCheck",
+    "DriftError",
+    "Elastic",
+    "ElasticConfig",
     "JoinError",
     "LRSchedule",
     "LocalSGD",

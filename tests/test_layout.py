@@ -84,13 +84,14 @@ def test_modules_and_functions_stay_small() -> None:
 
 
 # Each subpackage's place in the one direction dependencies run: communication <-
-# replication <- sharding / low-communication <- training <- launch and tools <- the public
-# package <- the demo <- the command line (which dispatches to all of them). Siblings at
-# one level stay apart; the leaf utilities (logs, lazy, optim, seeding) sit below
-# everything, the test harness on top.
+# replication <- sharding / low-communication <- training / elastic <- launch and tools <-
+# the public package <- the demo <- the command line (which dispatches to all of them).
+# Siblings at one level stay apart; the leaf utilities (logs, lazy, optim, seeding) sit
+# below everything, the test harness on top.
 LEVELS = {"lockstep.logs": 0, "lockstep.lazy": 0, "lockstep.optim": 0, "lockstep.seeding": 0,
           "lockstep.comm": 1, "lockstep.replication": 2, "lockstep.sharding": 3,
-          "lockstep.lowcomm": 3, "lockstep.training": 4, "lockstep.launch": 5,
+          "lockstep.lowcomm": 3, "lockstep.training": 4, "lockstep.elastic": 4,
+          "lockstep.launch": 5,
           "lockstep.tools": 5, "lockstep": 6, "lockstep.demo": 7, "lockstep.launch.cli": 8,
           "lockstep.launch.envreport": 8, "lockstep.testing": 9}
 

@@ -16,7 +16,7 @@ import torch
 
 from lockstep import comm
 from lockstep.comm.diagnostics import explain_stall
-from lockstep.comm.ledger import ledger
+from lockstep.comm.ledger import Record, ledger
 
 
 def shm_available() -> str | None:
@@ -91,11 +91,33 @@ class HostBarrier:
                 os.sched_yield()
                 continue
             waited = time.monotonic() - started
-            if waited > self.timeout_s:
-                late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
-                ledger.launched(record, None)
-                raise comm.CollectiveError(
-                    f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
-                    f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
+            if waited > self.timeout_s or spins % 500 == 0:
+                self._give_up_if_late(what, waited, record)
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
         ledger.launched(record, None)
+
+    def _give_up_if_late(self, what: str, waited: float, record: Record | None) -> None:
+        """Fail once the timeout has passed -- or at once if a late peer has exited: a
+        barrier in memory has no connection whose closing would tell (a socket does)."""
+        late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
+        gone = [r for r in late if not _running(self.memory.pids[r])]
+        if gone:
+            ledger.launched(record, None)
+            raise comm.CollectiveError(
+                f"rank {comm.rank_of()}: local rank(s) {gone} on this host (pid "
+                f"{', '.join(str(self.memory.pids[r]) for r in gone)}) exited before reaching: "
+                f"{what}")
+        if waited > self.timeout_s:
+            ledger.launched(record, None)
+            raise comm.CollectiveError(
+                f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
+                f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie -- killed, not yet reaped -- is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False

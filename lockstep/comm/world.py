@@ -261,6 +261,13 @@ def _rendezvous_problem(error: Exception, rank: int, timeout: timedelta) -> str:
             "MASTER_PORT are the same on every rank, and that no other program holds the port")
 
 
+def adopt(world: World) -> None:
+    """Make `world` the current one. The elastic membership (membership.py) re-creates the
+    default process group when workers leave or join; the World describing it follows."""
+    global _world
+    _world = world
+
+
 def current() -> World:
     """The world made by `init()`; calls `init()` if nobody has yet."""
     return _world if _world is not None and dist.is_initialized() else init()

@@ -66,6 +66,9 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--max-restarts", type=_non_negative, default=0,
                    help="restart all workers up to this many times after a failure "
                    "(default 0); a Trainer script resumes from its last checkpoint")
+    p.add_argument("--elastic", action="store_true",
+                   help="fault tolerant (lockstep.Elastic): a worker that dies does not stop "
+                   "the others, and the same command started later adds workers to the job")
     p.add_argument("-m", "--module", action="store_true", help="target is a module")
     p.add_argument("target", help="script path (or module name with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -99,10 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.nnodes not in ("1", "1:1") and args.rdzv_endpoint is None:
         run_parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
                          "of the job, the same on every host)")
-    return run(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
-                          module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
-                          rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                          local_addr=args.local_addr, max_restarts=args.max_restarts))
+    launch = run
+    if args.elastic:
+        from lockstep.launch.elastic import run_elastic as launch
+    return launch(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+                             module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
+                             rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                             local_addr=args.local_addr, max_restarts=args.max_restarts))
 
 
 if __name__ == "__main__":

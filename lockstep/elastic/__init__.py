@@ -1,0 +1,14 @@
+"""Training that survives failures: a worker that dies does not stop the job, and one
+started later joins it at a step boundary.
+
+job.py        Elastic: run_step redoes an interrupted step among the survivors
+config.py     ElasticConfig: how it watches and waits
+membership.py who is in the world now; its default group, made afresh per epoch
+quorum.py     heartbeats, quorums and joiners through the job's store
+handover.py   a live peer's state, sent to a joiner over the network
+"""
+
+from lockstep.elastic.config import ElasticConfig
+from lockstep.elastic.job import Elastic, batch_slice, membership_failure
+
+__all__ = ["Elastic", "ElasticConfig", "batch_slice", "membership_failure"]

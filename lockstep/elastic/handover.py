@@ -1,0 +1,150 @@
+"""Handing training state from a live peer to the ranks that need it, over the network.
+
+When a worker joins, or a survivor is a step behind its peers, rank 0 of the new
+membership sends it everything it needs to continue exactly where the others are: the
+model's parameters and buffers, the optimizer's state (momenta, step counts, learning
+rates), the wrapper's own tensors (DiLoCo's outer state), the RNG states, and small
+objects (the step, the data position, the user's `state_dict()`s). Nothing touches disk.
+
+Collective over the whole membership. Tensors travel as broadcasts, one per dtype; the
+layout they need (the optimizer state's shapes, the objects) goes first as one small
+pickled object among the ranks -- peers of one job, as with every object lockstep's ranks
+exchange; nothing from outside the job is unpickled. Ranks that are already level take
+part in the broadcasts but keep their own state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+
+SOURCE = 0  # membership.decide puts the rank holding the newest state first
+
+
+class _Slot:
+    """Stands for a tensor inside a pickled layout: where it goes and what it is."""
+
+    def __init__(self, index: int, tensor: torch.Tensor) -> None:
+        self.index, self.shape, self.dtype = index, tuple(tensor.shape), tensor.dtype
+        self.device = str(tensor.device)
+
+
+def _split(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """`obj` with each tensor replaced by a _Slot, the tensors appended to `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return _Slot(len(tensors) - 1, obj)
+    if isinstance(obj, dict):
+        return {k: _split(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_split(v, tensors) for v in obj)
+    return obj
+
+
+def _join(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Slot):
+        return tensors[obj.index]
+    if isinstance(obj, dict):
+        return {k: _join(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_join(v, tensors) for v in obj)
+    return obj
+
+
+def _slots(obj: Any) -> Iterator[_Slot]:
+    if isinstance(obj, _Slot):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _slots(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _slots(v)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"].cpu())
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _wrapper_tensors(wrapper: Any) -> dict[str, torch.Tensor]:
+    """Tensors a wrapper keeps besides the module's (DiLoCo's theta and momenta)."""
+    extra = getattr(wrapper, "checkpoint_tensors", None)
+    return dict(extra()) if extra is not None else {}
+
+
+def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer, wrapper: Any,
+              objects: dict[str, Any], *, receive: bool, receive_wrapper: bool
+              ) -> dict[str, Any]:
+    """Send rank 0's state to every rank; load it where `receive` (everything) or
+    `receive_wrapper` (the wrapper's tensors only: a fresh wrapper on a rank that is
+    otherwise level). `objects` is small picklable state (step, data position); rank 0's
+    comes back on every rank."""
+    mine = comm.rank_of() == SOURCE
+    tensors: list[torch.Tensor] = []
+    layout = None
+    if mine:
+        layout = _split({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "wrapper": _wrapper_tensors(wrapper), "rng": _rng_state(),
+                         "objects": objects}, tensors)
+    layout = comm.broadcast_object(layout, SOURCE, "handover: the layout of rank 0's state")
+    if not mine:
+        tensors = [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device))
+                   for s in sorted(_slots(layout), key=lambda s: s.index)]
+    comm.broadcast_tensors(tensors, SOURCE, "handover: rank 0's model and optimizer state")
+    state = _join(layout, tensors)
+    if receive and not mine:
+        _load(module, optimizer, state)
+    if (receive or receive_wrapper) and not mine:
+        _load_into(_wrapper_tensors(wrapper), state["wrapper"])
+    return dict(state["objects"])
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":  # each rank's own GPU, whichever rank 0 used
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _load(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    with torch.no_grad():
+        _load_into(dict(module.state_dict(keep_vars=True)), state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(state["rng"])
+
+
+def _load_into(targets: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor]) -> None:
+    """Copy in place, so tensors others hold (an optimizer's parameters) stay the same."""
+    missing = sorted(set(values) ^ set(targets))
+    if missing:
+        raise RuntimeError(f"rank {comm.rank_of()}: handover: this rank's state and rank 0's "
+                           f"differ in {missing[:4]}; every worker must build the same model")
+    with torch.no_grad():
+        for name, value in values.items():
+            targets[name].copy_(value)

@@ -1,0 +1,372 @@
+"""Per-step fault tolerance: training that goes on when workers die, and grows back when
+they return -- without restarting anyone.
+
+    job = lockstep.Elastic(net, optimizer, wrap=lambda m: lockstep.DataParallel(m))
+    while job.step < total_steps:
+        job.run_step(train_step)    # train_step(model, step): forward and backward only
+    job.finish()
+
+What one step does (`run_step`):
+  1. at the step boundary, if joiners wait and this is the step the members agreed to stop
+     at, regroup: the new membership's group, a fresh wrapper, state to the newcomers;
+  2. `train_step(model, step)` computes gradients (the caller slices global batch `step`
+     by `job.world.rank` / `world_size`: see `batch_slice`);
+  3. the optimizer steps (and a local-SGD / DiLoCo wrapper synchronises at round ends);
+  4. the step is committed: `job.step` advances; every `check_every` steps the replicas
+     are compared (drift.py).
+When a collective fails (a peer died: its sockets closed; or a timeout: a host vanished),
+the survivors discard the step's partial gradients, agree on the new membership through
+the store (quorum.py), form a new group (membership.py), bring any rank that missed the
+last step level from a peer (handover.py), and redo the step at the smaller world size.
+At most the interrupted step is lost; a global batch is the same samples at any size.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep import comm
+from lockstep.comm.diagnostics import reporter
+from lockstep.comm.world import World, current
+from lockstep.elastic.config import ENV_INITIAL, ENV_STORE, ElasticConfig
+from lockstep.elastic.handover import hand_over
+from lockstep.elastic.membership import Membership, describe, install, report
+from lockstep.elastic.quorum import Coordinator, Excluded
+from lockstep.logs import get_logger
+from lockstep.replication.drift import DriftCheck
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+def batch_slice(step: int, global_batch: int, rank: int, world_size: int) -> range:
+    """Positions of global batch `step` that `rank` of `world_size` trains on: its share of
+    [step*G, (step+1)*G), contiguous, sizes differing by at most one. Weight each rank's
+    summed loss by world_size / global_batch so the average over ranks is the batch mean
+    whatever the split."""
+    start = step * global_batch
+    lo = start + rank * global_batch // world_size
+    hi = start + (rank + 1) * global_batch // world_size
+    return range(lo, hi)
+
+
+def membership_failure(error: BaseException) -> bool:
+    """Whether `error` says a peer is gone or unreachable (and the membership must be
+    agreed again), rather than a fault in this rank's own work."""
+    if isinstance(error, (comm.CollectiveError, dist.DistError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                  "Timed out waiting", "gloo", "Broken pipe"))
+
+
+class Elastic:
+    """Drives a training loop through failures and joins (see the module docstring).
+
+    Args:
+        module: the model, built the same way on every worker.
+        optimizer: over `module`'s parameters; stepped by `run_step`.
+        wrap: makes the data-parallel wrapper for a membership (DataParallel by default;
+            also a lockstep.lowcomm LocalSGD or DiLoCo). Called again whenever the world
+            changes (a new group); ZeRO is refused (a lost rank takes its shard with it).
+        state: objects with state_dict()/load_state_dict() that a joining worker must
+            receive (an LR scheduler, a loss scaler); the step and RNG go anyway.
+        update: how a step's gradients are applied, once every rank has them (default:
+            `optimizer.step()` and `zero_grad`); a loss scaler's step, an LR scheduler's
+            step belong here, so they count exactly once per committed step.
+        config: timing and the drift check (ElasticConfig).
+        address: the job's store, HOST:PORT (default: the LOCKSTEP_ELASTIC variable).
+
+    Attributes: `model` (the current wrapper: use it, not a variable kept from before),
+    `world` (rank and size now), `step` (steps committed by the job), `completed_here`
+    (False when the last step was completed by peers and this rank brought level from
+    them), `lineage` (which membership epoch committed which steps: [first step, epoch]).
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 wrap: Callable[[nn.Module], nn.Module] | None = None, *,
+                 state: Mapping[str, Any] | None = None, config: ElasticConfig | None = None,
+                 update: Callable[[], None] | None = None, address: str | None = None
+                 ) -> None:
+        from lockstep.replication.replica import DataParallel
+
+        self.module, self.optimizer = module, optimizer
+        self.wrap = wrap or DataParallel
+        self.state = dict(state or {})
+        self.update = update or self._step_optimizer
+        self.config = config or ElasticConfig()
+        self.backend = current().backend if dist.is_initialized() else "gloo"
+        self.step = 0
+        self.lineage: list[list[int]] = []
+        self.model: Any = None  # DataParallel, or a lowcomm LocalSGD / DiLoCo
+        self.membership: Membership | None = None
+        self.regroups: list[dict[str, Any]] = []  # what happened, for reports and tests
+        self._phase, self._sync_retry, self._failures = 0, False, 0
+        self.completed_here = False  # see the class docstring
+        self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
+        self.coordinator = Coordinator(_address(address), _host(), self.config,
+                                       int(os.environ.get(ENV_INITIAL, "1")))
+        self.drift: DriftCheck | None = None
+        started = time.monotonic()
+        self._admit(self.coordinator.enter(), rewrap=True, started=started)
+
+    @property
+    def world(self) -> World:
+        return current()
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def run_step(self, train_step: Callable[[Any, int], T]) -> T | None:
+        """Run global step `self.step` to its commit: `train_step(model, step)` computes
+        gradients, the optimizer steps. Returns what `train_step` returned in the attempt
+        that counted -- None if the step was completed by peers while this rank's attempt
+        failed (it was then brought level from them)."""
+        start, value = self.step, None
+        while self.step == start:
+            failure: Exception | None = None
+            try:
+                value = self._advance(train_step, value)
+            except Exception as error:
+                failure = error
+            if failure is not None:  # handled outside `except`, which would pin its frames
+                self._handle(failure)
+        self._failures = 0
+        if not self.completed_here:  # brought level from a peer: the peers that completed
+            return None               # the step already tried the check, in the old group
+        self._check_drift()
+        return value
+
+    def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
+        self.completed_here = False
+        if self._phase == 0:
+            self.coordinator.heartbeat.tick(self.step)
+            if self.coordinator.grow_due(self._current(), self.step):
+                self._regroup(planned=True)
+            value = train_step(self.model, self.step)
+            self.update()
+            self._phase = 1
+        self._sync_round()
+        self._commit()
+        self.completed_here = True
+        return value
+
+    def _step_optimizer(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def collective(self, fn: Callable[[], T]) -> T:
+        """Run `fn` -- collective work outside a training step that changes no training
+        state (an evaluation's all-reduce, a checkpoint) -- again on the new membership
+        if a peer fails during it."""
+        while True:
+            failure: Exception | None = None
+            try:
+                return fn()
+            except Exception as error:
+                failure = error
+            self._handle(failure)
+
+    def _sync_round(self) -> None:
+        """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
+        failed synchronisation is retried among the survivors, not the step (the optimizer
+        has stepped): `after_step` counted it before it failed."""
+        if not _trains_in_rounds(self.model):
+            return
+        if self._sync_retry:
+            self.model.synchronise()
+        else:
+            self._sync_retry = True
+            self.model.after_step()
+        self._sync_retry = False
+
+    def _commit(self) -> None:
+        epoch = self._current().epoch
+        if not self.lineage or self.lineage[-1][1] != epoch:
+            self.lineage.append([self.step, epoch])
+        self.step += 1
+        self._phase = 0
+
+    def _check_drift(self) -> None:
+        if self.drift is None or not self.drift.due(self.step):
+            return
+        try:
+            self.drift.check_and_repair(self.step, [self.optimizer], self.config.repair)
+        except Exception as error:  # a peer died during the check: the next step regroups
+            if not membership_failure(error):
+                raise
+            log.warning("rank %d: the drift check at step %d was interrupted: %s",
+                        self.world.rank, self.step, _first_line(error))
+
+    # ---- failures ------------------------------------------------------------------------
+
+    def _handle(self, error: Exception) -> None:
+        """Regroup after a membership failure -- again if a peer fails during the regroup
+        itself -- or raise: any other error, or too many failures in a row."""
+        while True:
+            if not membership_failure(error):
+                raise error
+            self._failures += 1
+            if self._failures > self.config.max_retries:
+                log.error("rank %d: step %d failed %d times in a row; giving up",
+                          self.world.rank, self.step, self._failures)
+                raise error
+            log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
+                        self.step, _first_line(error))
+            _forget_frames(error)
+            if self._phase == 0:  # the step's partial gradients are not to be used
+                self.optimizer.zero_grad(set_to_none=True)
+            try:
+                self._regroup(planned=False)
+                return
+            except Exception as again:
+                error = again
+
+    def _regroup(self, planned: bool) -> None:
+        started = time.monotonic()
+        previous = self._current()
+        # A DataParallel is built for its world size: rebuilt. Local SGD / DiLoCo keep
+        # their round's progress through a failure; joiners need a fresh one everywhere.
+        rewrap = planned or not self._keeps_wrapper
+        self._leave_group(drop_wrapper=rewrap)
+        try:
+            membership = self.coordinator.regroup(previous, self.step, planned)
+        except Excluded as error:
+            log.warning("worker %d: %s; joining again", self.coordinator.id, error)
+            self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
+            return
+        self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
+                    previous=previous)
+
+    def _leave_group(self, drop_wrapper: bool) -> None:
+        """Close the old group's connections before the quorum, so a peer still blocked in
+        a collective with this rank fails at once rather than at its timeout. Nothing may
+        keep the group alive: the wrapper's own groups go with it, and the failed work
+        with the error's frames (_forget_frames)."""
+        if drop_wrapper and self.model is not None:
+            close = getattr(self.model, "close", None)
+            if close is not None:
+                close()
+            self.model = None
+        gc.collect()  # frames and works in reference cycles
+        reporter.stop()  # no progress or watchdog store call while the group goes
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _admit(self, membership: Membership, rewrap: bool, started: float,
+               previous: Membership | None = None) -> None:
+        """Make `membership` current: its group, the wrapper, state for whoever needs it.
+        It is current from the start: if a member fails mid-way, the next regroup starts
+        from these members (and this rank's step still says what it has committed)."""
+        self.membership = membership
+        install(membership, self.coordinator.base, self.backend,
+                timedelta(seconds=self.config.collective_timeout_s))
+        if rewrap or self.model is None:
+            self._rewrap()
+        behind = self.coordinator.id in membership.behind
+        if membership.behind:
+            objects = hand_over(self.module, self.optimizer, self.model,
+                                self._objects(), receive=behind, receive_wrapper=rewrap)
+            if behind:
+                self._load_objects(objects)
+        self.step = membership.step
+        if behind:
+            self._phase, self._sync_retry = 0, False
+        self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
+        self.regroups.append(report(membership, previous, time.monotonic() - started))
+        if membership.rank == 0:
+            log.warning(describe(membership, previous, time.monotonic() - started))
+        elif self.coordinator.id in membership.joined:  # the newcomer's own launcher says so
+            log.warning("worker %d joined the job at step %d as rank %d of %d (state received "
+                        "from rank 0; %.1fs after it asked)", self.coordinator.id,
+                        membership.step, membership.rank, membership.world_size,
+                        time.monotonic() - started)
+
+    def _rewrap(self) -> None:
+        from lockstep.sharding.sharded import ShardedDataParallel
+
+        if self.model is not None:
+            close = getattr(self.model, "close", None)
+            if close is not None:
+                close()
+        self.model = self.wrap(self.module)
+        self._keeps_wrapper = _trains_in_rounds(self.model)
+        if isinstance(self.model, ShardedDataParallel):
+            self.model.close()
+            raise ValueError(
+                "fault tolerance refuses ZeRO: each rank holds only its shard of the "
+                "optimizer state (and at stage 3 of the parameters), so a rank that dies "
+                "takes its shard with it and no live peer has a copy to continue from; "
+                "use a replicated DataParallel (compression and every algorithm work)")
+        if self.config.check_every:
+            self.drift = DriftCheck(self.module, self.config.check_every)
+
+    def _objects(self) -> dict[str, Any]:
+        return {"step": self.step, "lineage": self.lineage,
+                "state": {k: v.state_dict() for k, v in self.state.items()}}
+
+    def _load_objects(self, objects: dict[str, Any]) -> None:
+        self.lineage = [list(run) for run in objects["lineage"]]
+        for key, value in objects["state"].items():
+            self.state[key].load_state_dict(value)
+
+    def _current(self) -> Membership:
+        assert self.membership is not None, "Elastic has not joined a membership"
+        return self.membership
+
+    def finish(self) -> None:
+        """Training is over on this worker: tell the job (waiting joiners exit) and leave."""
+        self.coordinator.finish()
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
+
+
+def _trains_in_rounds(model: Any) -> bool:
+    """Local SGD / DiLoCo: replicas that meet only at a round's average (`synchronise`),
+    whose wrapper keeps its round's progress through a failure. Not `after_step`: every
+    Replica answers that (a DataParallel too, whose reducer is built for one world size and
+    must be rebuilt when it changes)."""
+    return callable(getattr(model, "synchronise", None))
+
+
+def _address(address: str | None) -> str:
+    found = address or os.environ.get(ENV_STORE)
+    if not found:
+        raise RuntimeError(f"lockstep.Elastic: no job store: launch with `lockstep run "
+                           f"--elastic`, or set {ENV_STORE}=HOST:PORT")
+    return found
+
+
+def _host() -> str:
+    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Drop the frames an error (and the errors it came from) keeps: they hold the failed
+    collective's work, which holds the group's connections open."""
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        pending += [e.__cause__, e.__context__]
+
+
+def _first_line(error: BaseException) -> str:
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return re.sub(r"^rank \d+: ", "", line)[:200]  # the log record names the rank already

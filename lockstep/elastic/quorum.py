@@ -1,0 +1,362 @@
+"""Agreeing on membership through the job's store: heartbeats, quorums, joiners.
+
+Every worker of a fault-tolerant job talks to one TCPStore (hosted by the launcher that
+started the job; `LOCKSTEP_ELASTIC=HOST:PORT` says where). Keys, under `lockstep/elastic/`:
+
+    next_id, host/<id>       each worker's id, handed out in arrival order, and its host
+    hb/<id>                  a counter its heartbeat thread bumps every `heartbeat_s`
+    left/<id>                set when it leaves cleanly, or once it is judged dead
+    q/<e>/in/<id>            a member's registration for epoch e: its committed step
+    q/<e>/n, q/<e>/leader    arrivals; the first to arrive decides the epoch
+    members/<e>              the decision (membership.Membership as JSON), or "abandoned"
+    epoch                    the latest decided epoch
+    joiners, joiner/<k>      workers waiting to join, in arrival order; admitted/<id>
+    grow/<e>                 the step at which epoch e's members stop to let joiners in
+    done                     the job has finished
+
+A quorum for epoch e is led by its first arrival: it waits until every member of the
+previous epoch has registered or is dead -- it left, or its heartbeat stood still for
+`dead_after_s` -- and writes the decision once (compare-and-set, so a leader that died
+mid-way is replaced by "abandoned", and everyone moves on to e+1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from lockstep.elastic.membership import Candidate, Membership, decide
+from lockstep.logs import get_logger
+
+if TYPE_CHECKING:
+    from lockstep.elastic.config import ElasticConfig
+
+log = get_logger(__name__)
+
+PREFIX = "lockstep/elastic/"
+ABANDONED = "abandoned"
+_POLL_S = 0.02
+
+
+class QuorumError(RuntimeError):
+    """The workers could not agree on a membership in time."""
+
+
+class Excluded(RuntimeError):
+    """This worker was judged dead by the others (it stalled too long): it must join again."""
+
+
+class JobFinished(SystemExit):
+    """The job finished before this worker was admitted: nothing is left to do (exit 0)."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+
+
+def connect(address: str, timeout: timedelta) -> dist.Store:
+    """The job's store at HOST:PORT (the launcher hosts it), under lockstep's prefix."""
+    host, _, port = address.rpartition(":")
+    base = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                         timeout=timeout)
+    return base
+
+
+class Liveness:
+    """Judges workers by their heartbeat counters: alive once a counter moves, dead once it
+    stands still for `dead_after_s` (or the worker left). Only moves count, so hosts'
+    clocks never need to agree."""
+
+    def __init__(self, store: dist.Store, dead_after_s: float) -> None:
+        self.store, self.dead_after_s = store, dead_after_s
+        self._seen: dict[int, tuple[int, float, bool]] = {}  # id -> beats, since, moved
+
+    def observe(self, worker: int) -> str:
+        """"alive", "dead", or "unknown" (not watched long enough to say)."""
+        if self.store.check([f"left/{worker}"]):
+            return "dead"
+        beats, now = int(self.store.add(f"hb/{worker}", 0)), time.monotonic()
+        seen = self._seen.get(worker)
+        if seen is None or beats != seen[0]:
+            self._seen[worker] = (beats, now, seen is not None)
+            return "alive" if seen is not None else "unknown"
+        if now - seen[1] >= self.dead_after_s:
+            return "dead"
+        return "alive" if seen[2] else "unknown"
+
+    def silent_for(self, worker: int) -> float:
+        seen = self._seen.get(worker)
+        return 0.0 if seen is None else time.monotonic() - seen[1]
+
+
+def pending_joiners(store: dist.Store) -> list[int]:
+    """Workers waiting to join, in arrival order (not yet admitted, not gone)."""
+    count = int(store.add("joiners", 0))
+    keys = [f"joiner/{k}" for k in range(count)]
+    ids = [int(store.get(key)) for key in keys if store.check([key])]
+    return [i for i in ids if not store.check([f"admitted/{i}"])
+            and not store.check([f"left/{i}"])]
+
+
+class Heartbeat:
+    """A daemon thread with its own store connection: bumps this worker's counter, learns
+    when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
+    step when joiners are waiting: far enough ahead (about a second of steps) that every
+    member has read it before it comes, and on a round boundary (`align`)."""
+
+    def __init__(self, address: str, worker: int, config: ElasticConfig) -> None:
+        self.store = dist.PrefixStore(PREFIX, connect(address, timedelta(
+            seconds=config.collective_timeout_s)))
+        self.worker, self.interval = worker, config.heartbeat_s
+        self.membership: Membership | None = None
+        self.align = 1
+        self.step, self._step_s = 0, 0.1
+        self._last_tick: float | None = None
+        self._grow: tuple[int, int] | None = None  # (epoch, step)
+        self._stop = threading.Event()
+        self._complained = False
+        self._thread = threading.Thread(target=self._run, name="lockstep-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def follow(self, membership: Membership, align: int) -> None:
+        self.membership, self.align = membership, max(1, align)
+
+    def tick(self, step: int) -> None:
+        """The training thread reached a step boundary (a plain write; the thread reads)."""
+        now = time.monotonic()
+        if self._last_tick is not None and step == self.step + 1:
+            self._step_s = 0.8 * self._step_s + 0.2 * (now - self._last_tick)
+        self.step, self._last_tick = step, now
+
+    def grow_at(self, epoch: int) -> int | None:
+        grow = self._grow
+        return grow[1] if grow is not None and grow[0] == epoch else None
+
+    def stop(self) -> None:
+        """Stop beating, and wait for the thread: one still inside a store call while the
+        interpreter exits aborts the process ("terminate called without an active
+        exception")."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(f"hb/{self.worker}", 1)
+                self._watch_growth()
+            except Exception as error:  # the store's host is gone: quorums will say so
+                if not self._complained:
+                    self._complained = True
+                    log.warning("worker %d: heartbeat to the job's store failed: %s",
+                                self.worker, str(error).splitlines()[0][:200])
+            self._stop.wait(self.interval)
+
+    def _watch_growth(self) -> None:
+        m = self.membership
+        if m is None or self.grow_at(m.epoch) is not None:
+            return
+        key = f"grow/{m.epoch}"
+        if not self.store.check([key]):
+            if m.me != m.ids[0] or not pending_joiners(self.store):
+                return
+            ahead = max(2, math.ceil(1.0 / max(self._step_s, 1e-3)))
+            at = math.ceil((self.step + ahead) / self.align) * self.align
+            self.store.compare_set(key, "", str(at))
+        self._grow = (m.epoch, int(self.store.get(key)))
+
+
+class Coordinator:
+    """This worker's side of the membership protocol (see the module docstring)."""
+
+    def __init__(self, address: str, host: str, config: ElasticConfig,
+                 initial: int) -> None:
+        self.config, self.host, self.initial = config, host, initial
+        self.latest = -1  # the newest epoch this worker has seen decided
+        self.base = connect(address, timedelta(seconds=config.collective_timeout_s))
+        self.store = dist.PrefixStore(PREFIX, self.base)
+        self.id = int(self.store.add("next_id", 1)) - 1
+        self.store.set(f"host/{self.id}", json.dumps([host, os.getpid()]))
+        self.heartbeat = Heartbeat(address, self.id, config)
+
+    # ---- entering, leaving --------------------------------------------------------------
+
+    def enter(self) -> Membership:
+        """The first membership this worker belongs to: the job's first epoch if it is
+        still forming, else the next one that admits it as a joiner."""
+        if not self.store.check(["epoch"]):
+            first = self._quorum(0, None, 0, planned=False)
+            if first is not None and self.id in first.ids:
+                return first
+        return self.wait_admitted()
+
+    def wait_admitted(self) -> Membership:
+        """Queue as a joiner and wait for an epoch that includes this worker (the members
+        stop for it at their next agreed step boundary)."""
+        slot = int(self.store.add("joiners", 1)) - 1
+        self.store.set(f"joiner/{slot}", str(self.id))
+        epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while time.monotonic() < deadline:
+            key = f"members/{epoch}"
+            if self.store.check([key]):
+                text = self.store.get(key).decode()
+                self.latest = max(self.latest, epoch)
+                if text != ABANDONED and self.id in json.loads(text)["ids"]:
+                    return Membership.from_json(text, self.id)
+                epoch += 1
+                continue
+            if self.store.check(["done"]):
+                log.warning("worker %d: the job finished before this worker was admitted",
+                            self.id)
+                self.leave()
+                raise JobFinished()
+            time.sleep(0.05)
+        raise QuorumError(f"worker {self.id} (host {self.host}): not admitted to the job "
+                          f"within {self.config.join_timeout_s:.0f}s; is it still training?")
+
+    def finish(self) -> None:
+        """The job is done: say so (waiting joiners exit) and leave."""
+        self.store.set("done", "1")
+        self.leave()
+
+    def leave(self) -> None:
+        self.heartbeat.stop()
+        self.store.set(f"left/{self.id}", "1")
+
+    def grow_due(self, membership: Membership, step: int) -> bool:
+        at = self.heartbeat.grow_at(membership.epoch)
+        return at is not None and step >= at
+
+    # ---- regrouping ---------------------------------------------------------------------
+
+    def regroup(self, current: Membership, step: int, planned: bool) -> Membership:
+        """The next membership, agreed with every live member of `current`: after a
+        failure (`planned=False`), or at the step boundary set for joiners (`planned`,
+        which admits them). Raises Excluded if the others went on without this worker."""
+        epoch = max(current.epoch, self.latest) + 1  # past any epoch decided since
+        while True:
+            decided = self._quorum(epoch, current, step, planned)
+            if decided is None:  # its leader died before deciding
+                epoch += 1
+                continue
+            if self.id not in decided.ids:
+                raise Excluded(f"worker {self.id}: epoch {epoch} was formed without it "
+                               "(it was silent too long)")
+            return decided
+
+    def _quorum(self, epoch: int, current: Membership | None, step: int,
+                planned: bool) -> Membership | None:
+        key = f"members/{epoch}"
+        if not self.store.check([key]):
+            rank = current.rank if current is not None else None
+            self.store.set(f"q/{epoch}/in/{self.id}", json.dumps(
+                {"step": step, "host": self.host, "rank": rank, "pid": os.getpid()}))
+            if int(self.store.add(f"q/{epoch}/n", 1)) == 1:
+                self.store.set(f"q/{epoch}/leader", str(self.id))
+                decision = self._lead(epoch, current, planned)
+                won = self.store.compare_set(key, "", decision.to_json())
+                if won.decode() != ABANDONED:
+                    self.store.set("epoch", str(epoch))
+                    for joiner in decision.joined:
+                        self.store.set(f"admitted/{joiner}", "1")
+        text = self._await(key, epoch)
+        self.latest = max(self.latest, epoch)
+        return None if text == ABANDONED else Membership.from_json(text, self.id)
+
+    def _lead(self, epoch: int, current: Membership | None, planned: bool) -> Membership:
+        if current is None:
+            return self._lead_first(epoch)
+        olds = list(current.ids)
+        joiners = pending_joiners(self.store) if planned else []
+        registered, lost = self._gather(epoch, olds, joiners, current)
+        present = [registered[i] for i in olds if i in registered]
+        present += [registered[j] for j in joiners if j in registered]
+        return decide(epoch, present, lost)
+
+    def _lead_first(self, epoch: int) -> Membership:
+        """Epoch 0: wait for the number of workers the job was started with."""
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while int(self.store.add(f"q/{epoch}/n", 0)) < self.initial:
+            if time.monotonic() > deadline:
+                raise QuorumError(f"worker {self.id}: only {self.store.add(f'q/{epoch}/n', 0)}"
+                                  f" of {self.initial} workers arrived within "
+                                  f"{self.config.join_timeout_s:.0f}s")
+            time.sleep(_POLL_S)
+        present = []
+        for worker in range(int(self.store.add("next_id", 0))):
+            info = self._registration(epoch, worker)
+            if info is not None:
+                present.append(Candidate(worker, info["host"], info["pid"], 0, worker))
+        return decide(epoch, present, [])
+
+    def _gather(self, epoch: int, olds: list[int], joiners: list[int], current: Membership
+                ) -> tuple[dict[int, Candidate], list[Candidate]]:
+        """Wait until each old member registered or is dead, and each joiner is seen alive
+        or dead. A member alive but silent past the collective timeout is left out (it
+        will find itself excluded and join again)."""
+        liveness = Liveness(self.store, self.config.dead_after_s)
+        give_up = time.monotonic() + self.config.collective_timeout_s + \
+            self.config.dead_after_s
+        registered: dict[int, Candidate] = {}
+        gone: set[int] = set()
+        while True:
+            for worker in olds:
+                if worker in registered or worker in gone:
+                    continue
+                info = self._registration(epoch, worker)
+                if info is not None:
+                    registered[worker] = Candidate(worker, info["host"], info["pid"],
+                                                   info["step"], info["rank"])
+                elif liveness.observe(worker) == "dead" or time.monotonic() > give_up:
+                    gone.add(worker)
+            for worker in joiners:
+                if worker not in registered and worker not in gone:
+                    state = liveness.observe(worker)
+                    if state == "alive":
+                        registered[worker] = Candidate(worker, *self._where(worker))
+                    elif state == "dead":
+                        gone.add(worker)
+                        self.store.set(f"left/{worker}", "1")  # no longer pending
+            if len(registered) + len(gone) == len(olds) + len(joiners):
+                break
+            time.sleep(_POLL_S)
+        lost = [Candidate(w, *self._where(w)) for w in olds if w in gone]
+        return registered, lost
+
+    def _registration(self, epoch: int, worker: int) -> dict[str, Any] | None:
+        key = f"q/{epoch}/in/{worker}"
+        if not self.store.check([key]):
+            return None
+        info: dict[str, Any] = json.loads(self.store.get(key))
+        return info
+
+    def _where(self, worker: int) -> tuple[str, int]:
+        """(host, pid) of a worker, as it said when it arrived."""
+        host, pid = json.loads(self.store.get(f"host/{worker}"))
+        return str(host), int(pid)
+
+    def _await(self, key: str, epoch: int) -> str:
+        """The decision for `epoch`; "abandoned" if its leader died before writing it."""
+        liveness = Liveness(self.store, self.config.dead_after_s)
+        deadline = time.monotonic() + self.config.join_timeout_s
+        leader: int | None = None
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise QuorumError(f"worker {self.id}: membership epoch {epoch} was not "
+                                  f"decided within {self.config.join_timeout_s:.0f}s")
+            if leader is None and self.store.check([f"q/{epoch}/leader"]):
+                leader = int(self.store.get(f"q/{epoch}/leader"))
+            if leader is not None and leader != self.id and \
+                    liveness.observe(leader) == "dead":
+                self.store.compare_set(key, "", ABANDONED)
+            time.sleep(_POLL_S)
+        return self.store.get(key).decode()
+

@@ -1,0 +1,186 @@
+"""`lockstep run --elastic`: workers that may die, and be added, without stopping the rest.
+
+torchrun's agent stops every worker when one fails and restarts them all -- the opposite of
+what a fault-tolerant job (lockstep.Elastic) needs. This launcher hosts the job's store (or
+finds the store another launcher of the job hosts at --rdzv-endpoint), starts N workers
+with LOCKSTEP_ELASTIC pointing at it, and watches them: a worker that dies is reported at
+once and the others go on. The same command started again later -- on this host or
+another -- adds workers, which join the running job at its next step boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from types import FrameType
+
+import torch.distributed as dist
+
+from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
+from lockstep.elastic.quorum import PREFIX, Liveness
+from lockstep.launch.run import LaunchSpec, check_target, threads_per_worker
+
+_JOB_KEY = PREFIX + "job"
+_SAY = "lockstep run --elastic:"
+
+
+def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
+    """Launch this host's workers of an elastic job and wait. Returns 0 if the job
+    finished (on whichever workers were left), else the first failed worker's code."""
+    problem = check_target(spec)
+    if problem is not None:
+        print(f"lockstep run: {problem}", file=sys.stderr)
+        return 2
+    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    try:
+        store, hosting = open_store(endpoint, spec.node_rank, timeout_s)
+    except (RuntimeError, OSError) as error:
+        print(f"{_SAY} {error}", file=sys.stderr)
+        return 2
+    if hosting:
+        print(f"{_SAY} job store at {endpoint}; to add workers later, run on any host: "
+              f"lockstep run --elastic -n 1 --rdzv-endpoint {endpoint} {spec.target}",
+              file=sys.stderr, flush=True)
+    workers = [_start(spec, endpoint, i) for i in range(spec.nproc)]
+    code = _supervise(workers)
+    if hosting:
+        _serve_until_idle(store)
+    return code
+
+
+def open_store(endpoint: str, node_rank: int | None, timeout_s: float
+               ) -> tuple[dist.Store, bool]:
+    """The job's store: hosted here if the endpoint is this host's and nobody serves it
+    yet (or --node-rank 0 says so), else the one being served there."""
+    host, _, port_text = endpoint.rpartition(":")
+    port = int(port_text)
+    timeout = timedelta(seconds=timeout_s)
+    hosting = node_rank == 0 if node_rank is not None else _can_bind(host, port)
+    if hosting:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timeout)
+        store.set(_JOB_KEY, "1")
+        return store, True
+    _wait_for_listener(host, port, time.monotonic() + timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    if not store.check([_JOB_KEY]):
+        raise RuntimeError(f"the store at {endpoint} is not an elastic lockstep job's")
+    return store, False
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """Whether this host could serve the endpoint: its address is ours and the port free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                return False
+            raise
+    return True
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no elastic job answered at {host}:{port} ({error}); "
+                                   "start the first launcher of the job there") from None
+        time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(spec: LaunchSpec, endpoint: str, local_rank: int) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    initial = int(spec.nnodes.split(":")[-1]) * spec.nproc
+    env.update({ENV_STORE: endpoint, ENV_INITIAL: str(initial),
+                "LOCKSTEP_HOST": env.get("LOCKSTEP_HOST") or spec.local_addr
+                or socket.gethostname(),
+                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(spec.nproc),
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS")
+                or str(threads_per_worker(spec.nproc))})
+    target = ["-m", spec.target] if spec.module else [spec.target]
+    return subprocess.Popen([sys.executable, "-u", *target, *spec.args], env=env)
+
+
+def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for every worker, reporting each one that fails when it fails."""
+    stopping: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        stopping.append(signum)
+        for w in workers:
+            if w.poll() is None:
+                w.terminate()
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    failures: list[int] = []
+    try:
+        running = dict(enumerate(workers))
+        while running:
+            for i, w in list(running.items()):
+                if w.poll() is not None:
+                    del running[i]
+                    if w.returncode != 0 and not stopping:
+                        failures.append(w.returncode)
+                        goes_on = "; the job goes on without it" if running else ""
+                        print(f"{_SAY} local worker {i} (pid {w.pid}) {_how(w.returncode)}"
+                              f"{goes_on}", file=sys.stderr, flush=True)
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if stopping:
+        return 128 + stopping[0]
+    return _outcome(failures, len(workers))
+
+
+def _how(code: int) -> str:
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _outcome(failures: list[int], started: int) -> int:
+    if not failures:
+        return 0
+    if len(failures) < started:
+        print(f"{_SAY} {len(failures)} of this host's {started} workers were lost; the "
+              "others finished the job", file=sys.stderr)
+        return 0
+    first = failures[0]
+    return first if first > 0 else 1
+
+
+def _serve_until_idle(store: dist.Store, quiet_s: float = 5.0) -> None:
+    """This launcher serves the job's store: keep it up while workers started elsewhere
+    still train (each is gone once it left or its heartbeat stood still)."""
+    view = dist.PrefixStore(PREFIX, store)
+    liveness = Liveness(view, quiet_s)
+    said, since = False, time.monotonic()
+    while True:
+        workers = range(int(view.add("next_id", 0)))
+        if all(liveness.observe(w) == "dead" for w in workers):
+            return
+        if not said and time.monotonic() - since > quiet_s + 1:
+            said = True
+            print(f"{_SAY} serving the job's store until the workers started elsewhere "
+                  "finish", file=sys.stderr, flush=True)
+        time.sleep(0.2)

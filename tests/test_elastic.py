@@ -1,0 +1,246 @@
+"""Fault tolerance without restarts (lockstep.Elastic, `lockstep run --elastic`).
+
+The planning (who is rank 0, which ranks share a host, which samples a rank trains on) is
+tested in one process. The rest runs real jobs: `lockstep run --elastic` launches workers of
+tests/elastic_job.py, the test kills one with SIGKILL mid-run, starts a second launcher
+that adds a worker, and then reads what every worker recorded: the survivors' pids never
+changed (no restart), they resumed within seconds, the world went 3 -> 2 -> 3, every global
+batch was trained exactly once (the sample indices), and the final weights are those of
+one process training on the same global batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lockstep.comm import CollectiveError
+from lockstep.elastic import batch_slice, membership_failure
+from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = str(ROOT / "tests" / "elastic_job.py")
+sys.path.insert(0, str(ROOT / "tests"))
+
+import elastic_job  # noqa: E402  (the job's own data and model, for the reference run)
+
+# ---- planning, in one process ----------------------------------------------------------
+
+
+def test_decide_puts_the_newest_state_first_and_groups_hosts() -> None:
+    present = [Candidate(0, "a", 10, step=7, rank=0), Candidate(2, "b", 12, step=8, rank=2),
+               Candidate(3, "a", 13, step=8, rank=3), Candidate(5, "b", 15)]
+    m = decide(4, present, [Candidate(1, "a", 11)])
+    # worker 2 is the first (by old rank) of those at step 8: it is rank 0, its host first,
+    # the joiner after the old members of its host
+    assert m.ids == (2, 5, 0, 3) and m.hosts == ("b", "b", "a", "a")
+    assert m.step == 8 and m.behind == {0, 5} and m.joined == (5,)
+    assert m.lost == ((1, "a", 11),)
+    again = Membership.from_json(m.to_json(), me=3)
+    assert again.ids == m.ids and again.rank == 3 and again.local == (1, 2)
+    text = describe(m, Membership(3, (0, 1, 2, 3), ("a",) * 4, (10, 11, 12, 13), 8), 1.25)
+    assert "lost worker 1 (pid 11 on host a)" in text
+    assert "worker 5 (pid 15 on host b) joined" in text
+    assert "4 -> 4 workers, continuing at step 8 (regrouped in 1.2s)" in text
+
+
+def test_layout_needs_equal_hosts_in_order() -> None:
+    assert [layout(["a", "a", "b", "b"], r) for r in range(4)] == [(0, 2), (1, 2), (0, 2),
+                                                                    (1, 2)]
+    assert layout(["a", "a", "b"], 2) == (0, 1)  # uneven: every rank a host of its own
+    assert layout(["a", "b", "a", "b"], 1) == (0, 1)  # not contiguous
+    assert layout(["a"] * 3, 2) == (2, 3)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
+def test_batch_slices_cover_the_global_batch_once(world_size: int) -> None:
+    got = [i for r in range(world_size) for i in batch_slice(3, 12, r, world_size)]
+    assert got == list(range(36, 48))
+
+
+def test_which_errors_mean_a_peer_is_gone() -> None:
+    assert membership_failure(CollectiveError("rank 0: bucket failed"))
+    assert membership_failure(RuntimeError("[../gloo/pair.cc:553] Connection closed by peer"))
+    assert not membership_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert not membership_failure(ValueError("bad input"))
+
+
+# ---- real jobs -------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _launch(out: Path, port: int, nproc: int, args: list[str], log: str
+            ) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
+               "--rdzv-endpoint", f"127.0.0.1:{port}", JOB, "--out", str(out), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, stderr=(out / log).open("w"), cwd=ROOT, env=env)
+
+
+def _records(out: Path) -> list[dict[str, Any]]:
+    found = []
+    for path in out.glob("worker-*.jsonl"):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):  # a line being written
+                found.append(json.loads(line))
+    return found
+
+
+def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = [r for r in _records(out) if "attempt" in r and what(r)]
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {why}")
+
+
+def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3
+                     ) -> dict[str, Any]:
+    """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
+    on without it, a second launcher adds one worker. Returns what happened."""
+    port = _free_port()
+    first = _launch(out, port, nproc, args, "launcher1.err")
+    second = None
+    try:
+        victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1, 90,
+                           f"step {kill_at}")[0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed = time.time()
+        resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
+                            "the survivors to resume")
+        second = _launch(out, port, 1, args, "launcher2.err")
+        assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
+    finally:
+        for launcher in (first, second):
+            if launcher is not None and launcher.poll() is None:
+                launcher.kill()
+    return {"victim": victim, "killed": killed, "resumed": min(r["time"] for r in resumed),
+            "records": _records(out), "stderr": (out / "launcher1.err").read_text(),
+            "nproc": nproc}
+
+
+def _check_history(run: dict[str, Any], steps: int, global_batch: int,
+                   round_steps: int = 0) -> list[dict[str, Any]]:
+    """No restart, a prompt resume, the world back to its size, every global batch trained
+    exactly once by the membership that committed the step, at most one step redone. Returns
+    the final records.
+
+    With local SGD or DiLoCo (rounds of `round_steps`), a step is kept by whoever computed
+    it, and a worker that dies mid-round takes its share of the round's steps with it: in
+    that round each step's samples are only checked not to repeat."""
+    records, victim = run["records"], run["victim"]
+    finals = [r for r in records if r.get("final")]
+    nproc = run["nproc"]
+    assert sorted(r["world"] for r in finals) == [nproc] * nproc, finals
+    assert all(r["step"] == steps for r in finals)
+    survivors = {r["worker"]: r["pid"] for r in records if "attempt" in r and r["epoch"] == 0}
+    for r in records:  # a survivor's pid never changed: nothing was restarted
+        assert r["worker"] == victim["worker"] or r["pid"] == survivors.get(r["worker"], r["pid"])
+    assert run["resumed"] - run["killed"] < 10.0
+    lineage = finals[0]["lineage"]
+    assert all(r["lineage"] == lineage for r in finals)
+    assert [run[1] for run in lineage] == list(range(len(lineage)))  # epochs 0, 1, 2
+    attempts = [r for r in records if "attempt" in r]
+    died = max(r["attempt"] for r in attempts if r["worker"] == victim["worker"])
+    for step in range(steps):
+        epoch = max(e for first, e in lineage if first <= step) if not round_steps else \
+            max(r["epoch"] for r in attempts if r["attempt"] == step)
+        used = sorted(i for r in attempts if r["attempt"] == step and r["epoch"] == epoch
+                      for i in r["indices"])
+        permutation, within = elastic_job.order(step, global_batch)
+        expected = sorted(permutation[within * global_batch:][:global_batch].tolist())
+        if round_steps and step // round_steps == died // round_steps:
+            assert len(set(used)) == len(used) and set(used) <= set(expected), step
+        else:
+            assert used == expected, f"step {step}: {used}"
+    redone = {(r["attempt"], r["epoch"]) for r in attempts} - \
+        {(s, max(e for f, e in lineage if f <= s)) for s in range(steps)}
+    assert len({s for s, _ in redone}) <= 1, redone  # at most the interrupted step
+    return finals
+
+
+def _reference(steps: int, global_batch: int) -> list[torch.Tensor]:
+    """One process, the same global batches, the same optimizer."""
+    x, y = elastic_job.data()
+    model, optimizer = elastic_job.build()
+    schedule = elastic_job.schedule(optimizer)
+    for step in range(steps):
+        permutation, within = elastic_job.order(step, global_batch)
+        batch = permutation[within * global_batch:(within + 1) * global_batch]
+        (((model(x[batch]) - y[batch]) ** 2).sum() / global_batch).backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return [v.flatten() for v in model.state_dict().values()]
+
+
+def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
+    """DataParallel under Elastic, with the drift check on and an LR schedule stepped in
+    `update`: worker 1 perturbs its weight at step 4, the check after it names it and
+    repairs it from the majority; at step 8 it is killed; a new worker joins later (and
+    receives the schedule's state). The final weights equal one process's."""
+    steps, args = 60, ["--steps", "60", "--pace", "0.04", "--check-every", "5",
+                       "--perturb", "4", "--hold-at", "30"]
+    run = _kill_and_rejoin(tmp_path, args, kill_at=8)
+    finals = _check_history(run, steps, 12)
+    expected = _reference(steps, 12)
+    x, y = elastic_job.data()
+    mse = ((x @ expected[0][:, None] + expected[1] - y) ** 2).mean().item()
+    for final in finals:
+        assert abs(final["mse"] - mse) < 1e-12  # job.collective's all-reduce, after the rejoin
+        for got, want in zip(final["params"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-9, atol=1e-11)
+    stderr = run["stderr"]
+    assert "replicas differ at step 5: first in parameter 'weight'; rank(s) [1] hold a " \
+        "different version from rank(s) [0, 2]; repairing from rank 0" in stderr
+    assert f"(pid {run['victim']['pid']}) was killed by SIGKILL; the job goes on without " \
+        "it" in stderr
+    assert f"lost worker {run['victim']['worker']} (pid {run['victim']['pid']} on host " \
+        in stderr
+    assert "3 -> 2 workers, continuing at step" in stderr
+    assert "joined, state sent from rank 0; 2 -> 3 workers" in stderr
+
+
+def test_diloco_loses_and_regains_a_worker_between_rounds(tmp_path: Path) -> None:
+    """DiLoCo (rounds of 4 steps), 2 workers: the survivor finishes the round without the
+    dead one (whose share of the round is lost with it); the joiner is let in only at a
+    round boundary, with the outer state."""
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
+                                      "diloco", "--every", "4", "--hold-at", "30"], kill_at=9,
+                           nproc=2)
+    finals = _check_history(run, steps, 12, round_steps=4)
+    assert all(f["params"] == finals[0]["params"] for f in finals)  # replicas identical
+    grown = [g for g in finals[0]["regroups"] if g["joined"]]
+    assert grown and all(g["step"] % 4 == 0 for g in grown)
+
+
+def test_zero_is_refused_with_the_reason(tmp_path: Path) -> None:
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                       wait_for_workers=False)
+    env = {**os.environ, "LOCKSTEP_ELASTIC": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, JOB, "--mode", "zero", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    del store
+    assert done.returncode != 0
+    assert "fault tolerance refuses ZeRO: each rank holds only its shard" in done.stderr
