@@ -118,12 +118,10 @@ class Reducer:
         if self._in_backward:
             self._abandon_backward()
         self._armed = sync
-        if sync and comm.size_of(self.group) != self.world_size:
-            raise RuntimeError(
-                f"rank {comm.rank_of(self.group)}: the process group now has "
-                f"{comm.size_of(self.group)} ranks, but this wrapper was built for "
-                f"{self.world_size} and would average over the wrong count; wrap the module "
-                "again after the group changes")
+        if sync and comm.size_of(self.group) != self.world_size:  # it would divide wrongly
+            raise RuntimeError(f"rank {comm.rank_of(self.group)}: the process group changed "
+                               f"size ({self.world_size} -> {comm.size_of(self.group)} ranks) "
+                               "under this wrapper; wrap the module again")
         if not sync or self._learned_order is None:
             return
         order = comm.broadcast_object(self._learned_order, 0, "broadcast of rank 0's "
