@@ -83,7 +83,10 @@ class Ledger:
         self.world_key = ""
         self.thread: int | None = None  # the thread that issues collectives (the training loop)
         self.last: Record | None = None  # the newest record, for comm.Pending to keep
-        self._default: Any = None  # the default process group, and its key
+        # The default process group, weakly (a group held here would outlive
+        # destroy_process_group, its connections open: elastic.py closes them to wake
+        # peers still blocked in it), and its key.
+        self._default: weakref.ref[Any] | None = None
         self._default_key = ""
 
     def issue(self, label: str, group: dist.ProcessGroup | None,
@@ -93,8 +96,8 @@ class Ledger:
             return None
         if group is None:  # the default group's name, looked up once per default group
             default = _default_group()
-            if default is not self._default:
-                self._default, self._default_key = default, group_key(default)
+            if self._default is None or default is not self._default():
+                self._default, self._default_key = weakref.ref(default), group_key(default)
             key = self._default_key
         else:
             key = group_key(group)
