@@ -113,3 +113,23 @@ def test_dependencies_run_one_way() -> None:
             if not (there == here or lower or siblings):
                 wrong.append(f"{module} ({here}) imports {target} ({there})")
     assert not wrong, wrong
+
+
+def test_the_readmes_imports_exist() -> None:
+    """Every `from lockstep... import name` in the README's Python blocks names a module
+    and a name that exist: a layout change must carry the documentation with it."""
+    import importlib
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    wrong = []
+    for line in (line for block in blocks for line in block.splitlines()):
+        found = re.match(r"from (lockstep[\w.]*) import ([\w, ]+)", line.strip())
+        if not found:
+            continue
+        module = importlib.import_module(found.group(1))
+        for name in (n.strip().split(" as ")[0] for n in found.group(2).split(",")):
+            if not hasattr(module, name):
+                wrong.append(line.strip())
+    assert blocks and not wrong, wrong
