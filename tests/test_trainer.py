@@ -273,3 +273,29 @@ def test_resume_restores_buffers_and_frozen_parameters_exactly(world2: World,
     split = world2.run(check_bn_resume, run, max_steps=10, resume="auto")
     for ours, theirs in zip(split, whole):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))  # bitwise, buffers too
+
+
+PAUSE_S = 0.2  # a slow callback after every step: time that is not training
+
+
+def check_throughput_counts_training_only(run_dir: str) -> list[float]:
+    """Logged samples/s with a callback sleeping after each step and an evaluation every 5
+    steps: neither may be counted as training time."""
+    import time
+
+    from lockstep.training.plots import read_metrics
+
+    lockstep.init()
+    train_set, test_set = digit_sets()
+    trainer = lockstep.Trainer(make_model("mlp"), sgd, train_set, test_set,
+                               config=config(run_dir, max_steps=10, eval_every_steps=5),
+                               callbacks=[lambda _: time.sleep(PAUSE_S)])
+    trainer.fit()
+    return [r["samples_per_s"] for r in read_metrics(Path(run_dir)) if "samples_per_s" in r]
+
+
+def test_logged_throughput_excludes_evaluation_and_callbacks(world2: World,
+                                                             tmp_path: Path) -> None:
+    speeds = world2.run(check_throughput_counts_training_only, str(tmp_path))[0]
+    # Counting the pauses would cap it at GLOBAL_BATCH / PAUSE_S = 240 samples/s.
+    assert len(speeds) == 2 and min(speeds) > 4 * GLOBAL_BATCH / PAUSE_S, speeds

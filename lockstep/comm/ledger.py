@@ -84,7 +84,7 @@ class Ledger:
         self.thread: int | None = None  # the thread that issues collectives (the training loop)
         self.last: Record | None = None  # the newest record, for comm.Pending to keep
         # The default process group, weakly (a group held here would outlive
-        # destroy_process_group, its connections open: elastic.py closes them to wake
+        # destroy_process_group, its connections open: elastic/job.py closes them to wake
         # peers still blocked in it), and its key.
         self._default: weakref.ref[Any] | None = None
         self._default_key = ""

@@ -160,12 +160,14 @@ class Trainer:
                     self.state.global_step == self.total_steps:
                 self._log_window(runlog, window)
                 window = _Window()
+            paused = time.perf_counter()
             if self._mid_epoch_eval_due(epoch_done):
                 self._evaluate_and_record(runlog)
             for callback in self.callbacks:
                 callback(self)
             if self.checkpoints.due(self.state, epoch_done, self.total_steps):
                 self.save_checkpoint()
+            window.started += time.perf_counter() - paused  # its throughput: training only
         return trained
 
     def _advance(self, runlog: RunLog) -> bool:
