@@ -277,6 +277,29 @@ def test_the_timeout_error_names_the_culprit_and_where_it_stands(world: World) -
         assert (culprits, stalled) == ([2], True)
 
 
+def check_a_destroyed_group_is_freed() -> bool:
+    """The watchdog's bookkeeping keeps no process group alive: a group that outlives
+    destroy_process_group keeps its connections open, and a peer blocked in it (elastic
+    training's survivors) waits for its timeout instead of failing at once."""
+    import gc
+    import weakref
+
+    lockstep.init(stall_after=5)
+    model = lockstep.DataParallel(torch.nn.Linear(4, 2))
+    model(torch.ones(2, 4)).sum().backward()
+    comm.all_reduce(torch.ones(1), "test: a sum on the default group")
+    model.close()
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    gc.collect()
+    return group() is None
+
+
+def test_the_ledger_keeps_no_destroyed_group_alive() -> None:
+    with World(2) as world:  # its own: the group is destroyed
+        assert world.run(check_a_destroyed_group_is_freed, breaks_group=True) == [True, True]
+
+
 # --- under `lockstep run`: what the user sees -------------------------------------------
 
 STUCK = textwrap.dedent("""
