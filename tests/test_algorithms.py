@@ -128,6 +128,26 @@ def test_shm_across_hosts_is_a_clear_error(two_hosts: World) -> None:
         assert f"rank {rank}:" in message and "algorithm='hierarchical'" in message
 
 
+def check_group_timeouts() -> tuple[float, list[float]]:
+    """The default group's timeout, and that of every group a hierarchical replica made."""
+    import torch.distributed as dist
+
+    lockstep.init()
+    default = dist.distributed_c10d._get_default_group()
+    model = lockstep.DataParallel(make_model("mlp"), algorithm="hierarchical")
+    timeouts = sorted({g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                       for g in dist.distributed_c10d._world.pg_map if g is not default})
+    model.close()
+    return default._get_backend(torch.device("cpu")).options._timeout.total_seconds(), timeouts
+
+
+def test_the_groups_lockstep_makes_keep_the_jobs_timeout(two_hosts: World) -> None:
+    """torch gives a new group 30 minutes; a cross-host group must fail at the job's timeout
+    when a host vanishes (found with a host cut off the network under elastic training)."""
+    for default, made in two_hosts.run(check_group_timeouts):
+        assert made == [default] and default < 60, (default, made)
+
+
 def test_topology_planning() -> None:
     assert ranks_on_host(1, 3) == [3, 4, 5]
     assert peers_across_hosts(1, hosts=3, local_world_size=2) == [1, 3, 5]

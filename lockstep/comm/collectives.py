@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -179,11 +180,23 @@ def broadcast_object(obj: Any, src: int, what: str, group: Group = None) -> Any:
 
 
 def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """A process group of `ranks` on the default backend. Collective: every rank of the
-    world must call it, in the same order, even those not in `ranks`."""
-    group = dist.new_group(ranks=list(ranks))
+    """A process group of `ranks` on the default backend, with the default group's timeout.
+    Collective: every rank of the world must call it, in the same order, even those not in
+    `ranks`."""
+    group = dist.new_group(ranks=list(ranks), timeout=default_timeout())
     assert group is not None
     return group
+
+
+def default_timeout() -> timedelta | None:
+    """The timeout the job gave its default group. torch gives a new group its backend's
+    default instead (30 minutes): a hierarchical reduction's cross-host group would wait
+    that long for a host that vanished, whatever timeout the job chose."""
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(device_of())
+        return backend.options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # private API: fall back to torch's
+        return None
 
 
 def destroy_group(group: Group) -> None:
