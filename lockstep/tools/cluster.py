@@ -117,8 +117,11 @@ class Cluster:
         self.teardown()
 
     def _create(self) -> None:
-        _ip("link", "add", self.bridge, "type", "bridge")
+        # Each item is recorded before it is made: a SIGTERM arriving between the two must
+        # not leave behind something teardown never heard of (deleting one that was not
+        # made yet fails quietly).
         self._made.append(f"link:{self.bridge}")
+        _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
         for host in range(self.hosts):
             self._create_host(host)
@@ -127,10 +130,10 @@ class Cluster:
 
     def _create_host(self, host: int) -> None:
         ns, inside, outside = self.netns(host), self.interface(host), f"lsv{self.tag}h{host}"
-        _ip("netns", "add", ns)
         self._made.append(f"netns:{ns}")
-        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("netns", "add", ns)
         self._made.append(f"link:{outside}")
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
         _ip("link", "set", inside, "netns", ns)
         _ip("link", "set", outside, "master", self.bridge)
         _ip("link", "set", outside, "up")
