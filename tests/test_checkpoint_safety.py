@@ -279,3 +279,35 @@ def test_resume_auto_falls_back_to_the_previous_checkpoint(world2: World,
                          str(marker))[0]
     assert "resumed from" in printed and "step-00000002 at step 2" in printed
     assert not marker.exists()
+
+
+def check_folders_lockstep_did_not_write_are_kept(root: str) -> tuple[str, bool, bool, bool]:
+    """A user's folders named like checkpoints: saving over one is refused, pruning passes
+    them by; lockstep's own older checkpoint is pruned as usual."""
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    folder = Path(root)
+    if world.is_main:
+        for step in (1, 2):
+            (folder / f"step-{step:08d}").mkdir(parents=True)
+            (folder / f"step-{step:08d}" / "mine.txt").write_text("the user's")
+    world.barrier()
+    try:
+        checkpoint.save(root, 2, model, opt, {})
+        refused = ""
+    except checkpoint.CheckpointError as error:
+        refused = str(error)
+    checkpoint.save(root, 3, model, opt, {}, keep=1)
+    checkpoint.save(root, 4, model, opt, {}, keep=1)
+    return (refused, (folder / "step-00000001" / "mine.txt").exists(),
+            (folder / "step-00000002" / "mine.txt").exists(),
+            (folder / "step-00000003").exists())
+
+
+def test_folders_lockstep_did_not_write_are_never_deleted(world2: World,
+                                                          tmp_path: Path) -> None:
+    for refused, kept1, kept2, ours_left in world2.run(
+            check_folders_lockstep_did_not_write_are_kept, str(tmp_path / "ckpt")):
+        assert "is not a lockstep checkpoint" in refused and "rank 0:" in refused, refused
+        assert kept1 and kept2 and not ours_left

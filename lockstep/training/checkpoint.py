@@ -225,6 +225,9 @@ def _write_files(tmp: Path, bundle: dict[str, Any], state: dict[str, Any], step:
 def _publish(tmp: Path, final: Path, keep: int, step: int) -> None:
     _write_manifest(tmp)
     if final.exists():
+        if not _is_ours(final):
+            raise OSError(f"{final} exists and is not a lockstep checkpoint (no {MANIFEST}); "
+                          "it is left as it is: move it, or use another run_dir")
         shutil.rmtree(final)
     os.replace(tmp, final)  # atomic: the checkpoint appears complete or not at all
     try:
@@ -261,7 +264,13 @@ def _prune(root: Path, keep: int, written: int) -> None:
         else:
             timeline.append(folder)
     for old in timeline[max(1, keep):]:
-        shutil.rmtree(old, ignore_errors=True)
+        if _is_ours(old):  # a folder lockstep did not write is never deleted
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _is_ours(folder: Path) -> bool:
+    """A checkpoint lockstep completed: its manifest, written last, is there."""
+    return (folder / MANIFEST).is_file()
 
 
 # ---- find / load ---------------------------------------------------------------------------
