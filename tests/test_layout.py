@@ -1,5 +1,6 @@
-"""The package's shape, checked: no import cycles, layers that depend one way, and modules
-and functions of a size a reader can hold. Pure source reading, no processes."""
+"""The package's shape, checked: no import cycles, layers that depend one way, modules and
+functions of a size a reader can hold, and README imports that exist. Source reading (the
+README check imports the modules it names), no processes."""
 
 from __future__ import annotations
 
