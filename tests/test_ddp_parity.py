@@ -261,8 +261,10 @@ def test_a_module_without_trainable_parameters_is_refused() -> None:
     lockstep.init()
     frozen = nn.Linear(4, 4).requires_grad_(False)
     for module in (frozen, nn.ReLU()):
+        with pytest.raises(RuntimeError, match="no parameter that requires a gradient"):
+            lockstep.DataParallel(module)  # DDP's error type (issue 28, finding 7)
         with pytest.raises(ValueError, match="no parameter that requires a gradient"):
-            lockstep.DataParallel(module)
+            lockstep.DataParallel(module)  # and the type lockstep raised before
 
 
 # ---- finding 8: ZeRO-3's state dicts ---------------------------------------------------------
@@ -530,3 +532,26 @@ def test_torch_compile_in_both_orders() -> None:
                                                                  deadline_s=300), plain):
                 assert losses == pytest.approx(expected, abs=1e-5), order
                 assert not caught, f"{order}: warnings {caught}"
+
+
+# ---- issue 28, finding 7: join's default divisor, as DDP's -----------------------------------
+
+
+def check_join_default(wrapper: str) -> nn.Module:
+    """join() without arguments: the finished ranks count as zeros (DDP's default)."""
+    world = lockstep.init()
+    net = make_model("mlp")
+    model: nn.Module = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
+    opt = make_optimizer("sgd", net.parameters())
+    with model.join():  # type: ignore[operator]
+        for i in range(_join_batches("short-first", world.rank, world.world_size)):
+            loss_of("mlp", model, *batch("mlp", 100 * i + world.rank, 5)).backward()
+            opt.step()
+            opt.zero_grad()
+    return net
+
+
+def test_join_divides_by_the_initial_world_size_by_default(world: World) -> None:
+    ours, theirs = world.run(check_join_default, "lockstep"), world.run(check_join_default, "ddp")
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert _param_gap(mine, reference) < 1e-6

@@ -235,13 +235,13 @@ class DataParallel(nn.Module):
 
     @contextmanager
     def join(self, optimizers: Sequence[torch.optim.Optimizer] = (),
-             sync_final_model: bool = True, *, divide_by_initial_world_size: bool = False,
+             sync_final_model: bool = True, *, divide_by_initial_world_size: bool = True,
              enable: bool = True) -> Iterator[None]:
         """Train on uneven inputs: a rank that runs out of batches early keeps matching the
-        others' collectives (contributing nothing) until every rank is done. Gradients are
-        averaged over the ranks that still had data -- or, with
-        `divide_by_initial_world_size=True` (DDP's default), over all ranks, the finished
-        ones counting as zeros.
+        others' collectives (contributing nothing) until every rank is done. As in DDP,
+        gradients are divided by the initial world size, the finished ranks counting as
+        zeros; with `divide_by_initial_world_size=False`, averaged over the ranks that
+        still had data.
 
         Pass the optimizers: ranks that stopped early skipped steps, so at the end their
         state (momentum, Adam moments) is replaced by that of a rank that trained to the
