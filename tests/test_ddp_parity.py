@@ -555,3 +555,18 @@ def test_join_divides_by_the_initial_world_size_by_default(world: World) -> None
     ours, theirs = world.run(check_join_default, "lockstep"), world.run(check_join_default, "ddp")
     for mine, reference in zip(ours, theirs, strict=True):
         assert _param_gap(mine, reference) < 1e-6
+
+
+# ---- issue 28, finding 15: a world of one sends nothing --------------------------------------
+
+
+def test_a_world_of_one_reports_nothing_sent() -> None:
+    world = lockstep.init()
+    assert world.world_size == 1  # the test process's own world
+    for model in (lockstep.DataParallel(make_model("mlp")),
+                  lockstep.shard(make_model("mlp"), 1),
+                  lockstep.LocalSGD(make_model("mlp"), every=1)):
+        loss_of("mlp", model, *batch("mlp", 0, PER_RANK)).backward()
+        model.after_step()
+        stats = model.comm_stats()
+        assert stats["bytes_sent"] == 0 and stats["compression_ratio"] == 1.0, stats

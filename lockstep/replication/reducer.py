@@ -271,6 +271,9 @@ class Reducer:
             bucket.pending.wait()
             bucket.pending = None
         self.reduction.finish(self.buckets)
+        if self.world_size == 1:  # a world of one has no one to send to
+            self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}
+            return
         raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
         self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
                       "bytes_uncompressed": raw}
