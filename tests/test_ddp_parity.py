@@ -570,3 +570,44 @@ def test_a_world_of_one_reports_nothing_sent() -> None:
         model.after_step()
         stats = model.comm_stats()
         assert stats["bytes_sent"] == 0 and stats["compression_ratio"] == 1.0, stats
+
+
+# ---- issue 28, finding 8: a sharded wrapper alive at exit leaves stderr clean ----------------
+
+_EXIT_SCRIPT = """
+import sys, torch, torch.distributed as dist
+import lockstep
+from torch import nn
+rank, store_path = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+lockstep.init()
+kept = []
+for stage in (1, 2, 3):
+    model = lockstep.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), stage)
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    kept.append(model)  # still referenced at exit: its finalizer runs at shutdown
+kept.append(lockstep.DataParallel(nn.Linear(4, 4), algorithm="ring"))
+dist.destroy_process_group()
+print("done", flush=True)
+"""
+
+
+def test_wrappers_alive_at_exit_after_the_group_is_destroyed_exit_quietly(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "exit_job.py"
+    script.write_text(_EXIT_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    workers = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env) for rank in range(2)]
+    for rank, worker in enumerate(workers):
+        out, err = worker.communicate(timeout=120)
+        noise = [line for line in err.splitlines() if "INFO" not in line]
+        assert worker.returncode == 0 and out.strip() == "done", (rank, out, err)
+        assert not noise, f"rank {rank} wrote to stderr at exit:\n{err}"

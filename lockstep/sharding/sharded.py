@@ -133,7 +133,7 @@ class _Orphaning:
     def release(self) -> None:
         if self.gatherer.managing:
             self.gatherer.remove_hooks()
-            guard_orphans(self.gatherer.owners, self.gatherer.groups)
+            guard_orphans(self.gatherer.owners, self.gatherer.groups, self.gatherer.rank)
 
 
 @dataclass
