@@ -534,6 +534,81 @@ def test_torch_compile_in_both_orders() -> None:
                 assert not caught, f"{order}: warnings {caught}"
 
 
+# ---- issue 28, finding 4: a forward arms exactly one backward -------------------------------
+
+
+def check_eval_backward_on_one_rank(wrapper: str) -> list[float]:
+    """torch's test_ddp_sync_bn_training_vs_eval: after synchronised steps, rank 0 alone
+    evaluates with gradients through `model.module` in eval mode. Those backwards launch
+    nothing (the last forward through the wrapper armed one backward, now spent), and what
+    they accumulated joins the next synchronised step, as in DDP."""
+    world = lockstep.init()
+    net = BNNet()
+    if wrapper == "lockstep-syncbn":
+        lockstep.convert_sync_batchnorm(net)
+    model = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
+    for step in range(3):
+        x, y = batch("mlp", 20 + step * world.world_size + world.rank, PER_RANK)
+        loss_of("mlp", model, x, y).backward()
+    if world.rank == 0:
+        model.module.eval()
+        for step in range(2):
+            loss_of("mlp", model.module, *batch("mlp", 40 + step, PER_RANK)).backward()
+        model.module.train()
+    loss_of("mlp", model, *batch("mlp", 50 + world.rank, PER_RANK)).backward()
+    return [p.grad.sum().item() for p in net.parameters()]
+
+
+def test_a_backward_through_module_after_a_synchronised_step_launches_nothing(
+        world: World) -> None:
+    ours = world.run(check_eval_backward_on_one_rank, "lockstep", deadline_s=60)
+    theirs = world.run(check_eval_backward_on_one_rank, "ddp")
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine == pytest.approx(reference, abs=1e-5)
+    synced = world.run(check_eval_backward_on_one_rank, "lockstep-syncbn", deadline_s=60)
+    assert all(grads == synced[0] for grads in synced)  # every rank took the same average
+
+
+# ---- issue 28, finding 5: the whole wrapped model under non-reentrant checkpointing ---------
+
+
+def _tied() -> nn.Module:
+    torch.manual_seed(31415)
+    first, second = nn.Linear(20, 20), nn.Linear(20, 20)
+    first.weight = second.weight
+    return nn.Sequential(first, second)
+
+
+def check_checkpointed_wrapper(wrapper: str) -> dict[str, float]:
+    """torch's test_ddp_checkpointing_weight_sharing: checkpoint(wrapped model) with shared
+    weights. Backward recomputes the forward through the wrapper; the step still averages
+    each gradient once: one process's gradients on the global batch."""
+    world = lockstep.init()
+    generator = torch.Generator().manual_seed(7)
+    x = torch.rand(8 * world.world_size, 20, generator=generator)
+    target = torch.randn(8 * world.world_size, 20, generator=generator)
+    mine = slice(8 * world.rank, 8 * (world.rank + 1))
+    gaps = {}
+    for reentrant in (False, True):
+        net, reference = _tied(), _tied()
+        model = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
+        for _ in range(3):
+            net.zero_grad(set_to_none=False)
+            reference.zero_grad(set_to_none=False)
+            out = checkpoint(model, x[mine].requires_grad_(), use_reentrant=reentrant)
+            F.mse_loss(out, target[mine]).backward()
+            F.mse_loss(checkpoint(reference, x.requires_grad_(), use_reentrant=reentrant),
+                       target).backward()
+        gaps["reentrant" if reentrant else "non-reentrant"] = _grad_gap(net, reference)
+    return gaps
+
+
+def test_checkpointing_the_whole_wrapped_model_with_shared_weights(world: World) -> None:
+    for wrapper in ("ddp", "lockstep"):
+        for gaps in world.run(check_checkpointed_wrapper, wrapper, deadline_s=60):
+            assert all(gap < 1e-6 for gap in gaps.values()), (wrapper, gaps)
+
+
 # ---- issue 28, finding 7: join's default divisor, as DDP's -----------------------------------
 
 

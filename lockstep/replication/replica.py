@@ -181,24 +181,30 @@ class DataParallel(nn.Module):
         self.reducer = self._new_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
+        training = self._before_forward()
         output = self.module(*args, **kwargs)
-        self._after_forward(output)
+        if training:
+            self._after_forward(output)
         return output
 
     @torch.compiler.disable  # collectives and bookkeeping stay out of a compiled graph
-    def _before_forward(self) -> None:
-        if self._release.alive and torch.is_grad_enabled():
-            self._before_training_forward()
-        elif not self._release.alive:
+    def _before_forward(self) -> bool:
+        """Start a training forward (grad-enabled) and say whether this is one. A forward
+        that activation checkpointing recomputes inside the backward it armed is not: it
+        replays the step, so it issues no collective and arms nothing (the backward under
+        way reduces each gradient once)."""
+        if not self._release.alive:
             raise RuntimeError(f"rank {comm.rank_of(self.group)}: this DataParallel was "
                                "closed (or superseded by a newer wrapper of the same module); "
                                "call .module directly or wrap the module again")
+        if not torch.is_grad_enabled() or self.reducer.recomputing():
+            return False
+        self._before_training_forward()
+        return True
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.reducer.watch_outputs(output)
+        self.reducer.watch_outputs(output)
 
     def _before_training_forward(self) -> None:
         """The collectives every grad-enabled forward issues, in this fixed order. A joined
