@@ -686,3 +686,121 @@ def test_wrappers_alive_at_exit_after_the_group_is_destroyed_exit_quietly(tmp_pa
         noise = [line for line in err.splitlines() if "INFO" not in line]
         assert worker.returncode == 0 and out.strip() == "done", (rank, out, err)
         assert not noise, f"rank {rank} wrote to stderr at exit:\n{err}"
+
+
+# ---- issue 28, finding 6: DDP's communication hooks, run unchanged ---------------------------
+
+
+def _bf16_under_another_name(state, bucket):  # type: ignore[no-untyped-def]  # as _users_hook
+    """torch's bf16 hook: DDP refuses it by name off CUDA, so DDP runs it through this."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+def _users_hook(state, bucket):  # type: ignore[no-untyped-def]  # unannotated, as DDP needs here
+    """A user's hook: the sum of every rank's gradients times state["scale"], checking on
+    the way that the bucket offers what DDP's GradBucket does."""
+    buffer = bucket.buffer()
+    views = bucket.gradients()
+    assert len(views) == len(bucket.parameters()) and isinstance(bucket.index(), int)
+    assert sum(v.numel() for v in views) == buffer.numel()
+    state["last"] += int(bucket.is_last())
+    future = torch.distributed.all_reduce(buffer, async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].mul_(state["scale"]))
+
+
+def _comm_hook(name: str, wrapper: str) -> tuple[object, object]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power
+
+    if name == "powerSGD":  # compression from the third step, on the rebuilt buckets
+        return power.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                   random_seed=3), power.powerSGD_hook
+    if name == "bf16":
+        return None, (default_hooks.bf16_compress_hook if wrapper == "lockstep"
+                      else _bf16_under_another_name)
+    if name == "user":
+        return {"scale": 0.3, "last": 0}, _users_hook
+    return None, {"allreduce": default_hooks.allreduce_hook,
+                  "fp16": default_hooks.fp16_compress_hook}[name]
+
+
+# (hook, lockstep's bucket cap in MiB): one bucket, as DDP's here, for PowerSGD, whose
+# random projections follow the bucket layout; several for the layout-free ones.
+COMM_HOOKS = [("allreduce", 0.01), ("fp16", 25.0), ("bf16", 25.0), ("powerSGD", 25.0),
+              ("user", 0.01)]
+
+
+def _train_with_hook(wrapper: str, name: str, bucket_mb: float) -> tuple[nn.Module, object]:
+    world = lockstep.init()
+    net = make_model("mlp")
+    model = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net, bucket_mb=bucket_mb)
+    state, hook = _comm_hook(name, wrapper)
+    model.register_comm_hook(state, hook)  # type: ignore[arg-type]
+    opt = make_optimizer("sgd", net.parameters())
+    for step in range(5):
+        x, y = batch("mlp", 60 + step * world.world_size + world.rank, PER_RANK)
+        loss_of("mlp", model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return net, state
+
+
+def check_comm_hooks() -> dict[str, float]:
+    gaps = {}
+    for name, bucket_mb in COMM_HOOKS:
+        (ours, state), (theirs, _) = _train_with_hook("lockstep", name, bucket_mb), \
+            _train_with_hook("ddp", name, bucket_mb)
+        gaps[name] = _param_gap(ours, theirs)
+        if name == "user":
+            gaps["is_last once a step"] = abs(state["last"] - 5)  # type: ignore[index]
+    return gaps
+
+
+def test_comm_hooks_give_ddps_gradients(world: World) -> None:
+    for gaps in world.run(check_comm_hooks, deadline_s=120):
+        assert all(gap < 1e-6 for gap in gaps.values()), gaps
+
+
+def _error_of(wrapper: str, hook: object, model: nn.Module | None = None) -> str:
+    """The type of the error registering `hook` raises ("accepted" if none)."""
+    if model is None:
+        model = DDP(make_model("mlp")) if wrapper == "ddp" else \
+            lockstep.DataParallel(make_model("mlp"))
+    try:
+        model.register_comm_hook(None, hook)  # type: ignore[operator]
+    except Exception as error:  # the type is what is compared
+        return type(error).__name__
+    return "accepted"
+
+
+def _wrong_return(state, bucket) -> int:  # type: ignore[no-untyped-def]
+    return 0
+
+
+def check_comm_hook_errors() -> dict[str, list[str]]:
+    """Wrong hooks are refused as DDP refuses them; a second hook, or one after the first
+    backward, too."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    allreduce = default_hooks.allreduce_hook
+    found: dict[str, list[str]] = {}
+    for wrapper in ("lockstep", "ddp"):
+        twice = DDP(make_model("mlp")) if wrapper == "ddp" else \
+            lockstep.DataParallel(make_model("mlp"))
+        twice.register_comm_hook(None, allreduce)  # type: ignore[operator]
+        found[wrapper] = [_error_of(wrapper, "hook"), _error_of(wrapper, _wrong_return),
+                          _error_of(wrapper, allreduce, twice)]
+    trained = lockstep.DataParallel(make_model("mlp"))
+    loss_of("mlp", trained, *batch("mlp", 0, PER_RANK)).backward()
+    found["after backward"] = [_error_of("lockstep", allreduce, trained)]
+    found["sharded"] = [_error_of("lockstep", allreduce, lockstep.shard(make_model("mlp"), 1))]
+    return found
+
+
+def test_comm_hooks_are_refused_as_ddp_refuses_them(world2: World) -> None:
+    for found in world2.run(check_comm_hook_errors):
+        assert found["lockstep"] == found["ddp"] == ["TypeError", "ValueError", "RuntimeError"]
+        assert found["after backward"] == ["RuntimeError"]
+        assert found["sharded"] == ["ValueError"]

@@ -196,12 +196,16 @@ class Reducer:
         self._ready[index] = 1
         self._check_create_graph(param)
         self.finite.observe(index, param.grad)  # type: ignore[arg-type]
-        adopt_gradient(param, view, 1.0 / self.divisor, self.reduction, bucket)
+        adopt_gradient(param, view, self._scale(), self.reduction, bucket)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._launch_in_order()
+
+    def _scale(self) -> float:
+        """What a gradient is multiplied by as it enters its bucket."""
+        return 1.0 / self.divisor if self.reduction.prescale else 1.0
 
     def _check_create_graph(self, param: torch.Tensor) -> None:
         if self._warned_create_graph or param.grad is None or not param.grad.requires_grad:
@@ -271,7 +275,7 @@ class Reducer:
                 emptied.append(index)
             else:
                 self.finite.observe(index, param.grad)
-                adopt_gradient(param, view, 1.0 / self.divisor)
+                adopt_gradient(param, view, self._scale())
             bucket.waiting -= 1
         return emptied
 

@@ -96,6 +96,10 @@ class Reduction:
     buckets in arrival order; `start` is what every reduction must say."""
 
     name = "?"
+    # The reducer scales each gradient by 1/N as it enters its bucket, so `start` sums.
+    # False: buckets hold this rank's gradients as they are, and `start` averages
+    # (DDP's communication hooks expect that; commhook.py).
+    prescale = True
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:
