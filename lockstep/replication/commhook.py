@@ -130,6 +130,9 @@ class CommHook(Reduction):
     def finish(self, buckets: Sequence[Bucket]) -> None:
         self._previous = None
 
+    def close(self) -> None:
+        self._previous = None  # holds a bucket: let it go with the wrapper
+
 
 class _HookHandle:
     """A hook's future; waiting puts its value into the bucket (once)."""

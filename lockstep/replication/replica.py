@@ -69,7 +69,8 @@ class DataParallel(nn.Module):
             algorithm. See compress.py; `comm_stats()` reports the bytes.
         reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
             AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
-            See reduction.py.
+            See reduction.py. (DDP's `register_comm_hook(state, hook)` works too, and
+            runs torch's hooks unchanged: commhook.py.)
         nonfinite: what a NaN or inf in some rank's local gradient does: "error" (stop,
             naming the step, the ranks and the first parameter), "skip" (drop the step on
             every rank, counted in `comm_stats()`), or "off". See nonfinite.py.
