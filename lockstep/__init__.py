@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.replication.join import JoinError
     from lockstep.replication.memory import memory_report
     from lockstep.replication.nonfinite import NonFiniteGradientError
+    from lockstep.replication.oracle import naive_average_gradients
     from lockstep.replication.precision import LossScaler
-    from lockstep.replication.reducer import UnusedParameterError, naive_average_gradients
+    from lockstep.replication.reducer import UnusedParameterError
     from lockstep.replication.reduction import Bucket, Reduction
     from lockstep.replication.replica import DataParallel
     from lockstep.replication.sync import SyncConfig
@@ -101,7 +102,7 @@ _WHERE = {
     "init": "lockstep.comm.world",
     "load_weights": "lockstep.training.export",
     "memory_report": "lockstep.replication.memory",
-    "naive_average_gradients": "lockstep.replication.reducer",
+    "naive_average_gradients": "lockstep.replication.oracle",
     "seed_everything": "lockstep.seeding",
     "shard": "lockstep.sharding.sharded",
 }

@@ -228,14 +228,15 @@ def test_buffers_are_broadcast_from_rank0(world2: World) -> None:
 
 
 def check_join(batches_per_rank: list[int]) -> tuple[float, str]:
-    """Ranks with different numbers of batches; gradients average over ranks with data."""
+    """Ranks with different numbers of batches; with divide_by_initial_world_size=False,
+    gradients average over the ranks with data."""
     world = lockstep.init()
     rank, n = world.rank, world.world_size
     net, reference = make_model("mlp"), make_model("mlp")
     model = lockstep.DataParallel(net, bucket_mb=0.004)
     opt = make_optimizer("sgd", model.parameters())
     ref_opt = make_optimizer("sgd", reference.parameters())
-    with model.join():
+    with model.join(divide_by_initial_world_size=False):
         for step in range(batches_per_rank[rank]):
             x, y = batch("mlp", step * n + rank, PER_RANK)
             opt.zero_grad()

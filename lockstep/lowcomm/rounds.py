@@ -61,7 +61,8 @@ class _Replica(nn.Module):
         self.local_steps += 1
         if self.local_steps % self.every == 0:
             self.synchronise()
-            per_step = self._round_bytes / self.every
+            alone = comm.size_of(self.group) == 1  # a world of one sends nothing
+            per_step = 0.0 if alone else self._round_bytes / self.every
             full = sum(p.numel() * p.element_size() for p in self.module.parameters())
             self.stats = {"bytes_sent": per_step, "bytes_uncompressed": float(full)}
             self._round_bytes = 0

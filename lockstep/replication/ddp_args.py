@@ -100,8 +100,14 @@ def pick(name: str, value: Any, ddp_name: str, ddp_value: Any, default: Any) -> 
     return value if value is not None else ddp_value if ddp_value is not None else default
 
 
+class NothingToTrainError(RuntimeError, ValueError):
+    """The module has no parameter that requires a gradient. A RuntimeError, as DDP's
+    refusal is (code that catches DDP's error catches this one); a ValueError too, as
+    lockstep's was before."""
+
+
 def check_trainable(module: nn.Module) -> None:
     if not any(p.requires_grad for p in module.parameters()):
-        raise ValueError("DataParallel: the module has no parameter that requires a gradient, "
-                         "so there is nothing to average across ranks (as DDP, this is "
-                         "refused); run it without a wrapper")
+        raise NothingToTrainError("DataParallel: the module has no parameter that requires "
+                                  "a gradient, so there is nothing to average across ranks "
+                                  "(as DDP, this is refused); run it without a wrapper")

@@ -4,8 +4,8 @@ Every grad-enabled forward under `join` starts with one small all-reduce: a flag
 saying "I still have data", plus whether this step reduces gradients. A rank whose loop has
 ended keeps answering that handshake with "no data" and, while anyone still trains, has its
 wrapper's `JoinHook` issue the same collectives a real step would (buffer broadcast, bucket
-all-reduces of zeros, the unused-parameter bitmap). Gradients are divided by the number of
-ranks that contributed -- or by all of them, DDP's default -- and when every rank is out
+all-reduces of zeros, the unused-parameter bitmap). Gradients are divided by all of the
+ranks, DDP's default -- or by the number that contributed -- and when every rank is out
 the hook re-synchronises the model from the last rank to finish.
 
 As in torch's Joinable pattern, `Join` knows nothing of the wrapper: only the hook's
@@ -40,7 +40,7 @@ class JoinHook(Protocol):
 
 class Join:
     def __init__(self, hook: JoinHook, group: comm.Group,
-                 divide_by_initial_world_size: bool = False) -> None:
+                 divide_by_initial_world_size: bool = True) -> None:
         self.hook, self.group = hook, group
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self.world_size, self.rank = comm.size_of(group), comm.rank_of(group)

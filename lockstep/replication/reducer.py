@@ -13,8 +13,9 @@ One step, as seen from here:
    every bucket.
 
 Only a backward that follows a forward through the wrapper synchronises (as in torch's
-DDP): the forward arms the reducer (`arm`), and hooks that fire unarmed -- a backward
-through `model.module` alone, or one inside `no_sync()` -- accumulate locally. The
+DDP): the forward arms the reducer for one backward, and hooks that fire unarmed -- a
+backward through `model.module` alone, before or after a synchronised one, or one inside
+`no_sync()` -- accumulate locally. The
 end-of-backward callback is queued from the outputs' own autograd nodes, so it runs at the
 end of the *outermost* backward even when reentrant activation checkpointing runs nested
 backwards inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and
@@ -38,7 +39,7 @@ from lockstep.logs import get_logger
 from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
 from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.replication.outputs import find_tensors
-from lockstep.replication.reduction import Bucket, Reduction, scaled_copy
+from lockstep.replication.reduction import Bucket, Reduction, adopt_gradient
 
 log = get_logger(__name__)
 
@@ -72,8 +73,9 @@ class Reducer:
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
         self.buckets: list[Bucket] = []
         self._build(reverse_registration_order(len(self.params)))
-        self._armed = False        # the last forward through the wrapper asked for a sync
+        self._armed = False        # the next backward synchronises (one backward only)
         self._in_backward = False  # a synchronised backward is under way
+        self._graph_task = -1      # ...run by this autograd graph task
         self._next_launch = 0
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))  # got a gradient since the last sync
@@ -105,7 +107,7 @@ class Reducer:
                 param = self.params[index]
                 if param.grad is not None:
                     self.reduction.materialize(bucket)
-                    _adopt(param, view, 1.0)
+                    adopt_gradient(param, view, 1.0)
 
     def bucket_sizes_mb(self) -> list[float]:
         return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
@@ -150,7 +152,15 @@ class Reducer:
     def _begin_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
+            self._graph_task = torch._C._current_graph_task_id()
             Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def recomputing(self) -> bool:
+        """Whether a forward through the wrapper, now, is non-reentrant activation
+        checkpointing recomputing the forward of the synchronised backward under way (the
+        whole wrapped model checkpointed): it runs inside that backward's own graph task.
+        Such a forward replays the step's forward; it starts no step of its own."""
+        return self._in_backward and torch._C._current_graph_task_id() == self._graph_task
 
     def _abandon_backward(self) -> None:
         """A synchronised backward raised before its end-of-backward callback ran (autograd
@@ -174,7 +184,7 @@ class Reducer:
         self.reduction.materialize(bucket)
         self._used[index] = 1
         if not self._armed:  # accumulate in the bucket slot, unscaled, until the sync
-            _adopt(param, view, 1.0)
+            adopt_gradient(param, view, 1.0)
             return
         self._begin_backward()  # a no-op when the outputs' nodes already queued the end
         if self._ready[index]:
@@ -186,12 +196,16 @@ class Reducer:
         self._ready[index] = 1
         self._check_create_graph(param)
         self.finite.observe(index, param.grad)  # type: ignore[arg-type]
-        _adopt(param, view, 1.0 / self.divisor, self.reduction, bucket)
+        adopt_gradient(param, view, self._scale(), self.reduction, bucket)
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._launch_in_order()
+
+    def _scale(self) -> float:
+        """What a gradient is multiplied by as it enters its bucket."""
+        return 1.0 / self.divisor if self.reduction.prescale else 1.0
 
     def _check_create_graph(self, param: torch.Tensor) -> None:
         if self._warned_create_graph or param.grad is None or not param.grad.requires_grad:
@@ -261,7 +275,7 @@ class Reducer:
                 emptied.append(index)
             else:
                 self.finite.observe(index, param.grad)
-                _adopt(param, view, 1.0 / self.divisor)
+                adopt_gradient(param, view, self._scale())
             bucket.waiting -= 1
         return emptied
 
@@ -271,6 +285,9 @@ class Reducer:
             bucket.pending.wait()
             bucket.pending = None
         self.reduction.finish(self.buckets)
+        if self.world_size == 1:  # a world of one has no one to send to
+            self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}
+            return
         raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
         self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
                       "bytes_uncompressed": raw}
@@ -295,6 +312,10 @@ class Reducer:
             "never used, freeze them (requires_grad_(False)) or remove them.")
 
     def _reset_for_next_backward(self) -> None:
+        # A forward through the wrapper arms exactly one backward (DDP's reducer expects
+        # hooks only from its forward to the end of that backward): a later backward
+        # through `model.module` alone accumulates locally and launches nothing.
+        self._armed = False
         self._in_backward = False
         self._next_launch = 0
         self._ready = bytearray(len(self.params))
@@ -345,31 +366,6 @@ class Reducer:
         self._free_buckets()
 
 
-def _adopt(param: torch.Tensor, view: torch.Tensor, scale: float,
-           reduction: Reduction | None = None, bucket: Bucket | None = None) -> None:
-    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory, and
-    point `.grad` at the slot.
-
-    Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
-    pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
-    overflow in low precision). A fresh tensor from autograd (after
-    zero_grad(set_to_none=True)) is handed to the reduction, which may move only what its
-    peers will read (see HostSlices.absorb); one already in the slot is scaled in place.
-    """
-    grad = param.grad
-    assert grad is not None
-    if grad is view:
-        if scale != 1.0:
-            view.mul_(scale)
-        return
-    with torch.no_grad():  # under create_graph the gradient has a graph: take its values
-        if reduction is None or bucket is None:
-            scaled_copy(grad, view, scale)
-        else:
-            reduction.absorb(grad, view, scale, bucket)
-    param.grad = view
-
-
 def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
     """A parameter's readiness hook that does not keep its reducer alive: a wrapper that
     is no longer referenced is collected, and its finalizer removes this hook."""
@@ -380,17 +376,6 @@ def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
         if live is not None:
             live._on_grad_ready(index)
     return hook
-
-
-def naive_average_gradients(params: Sequence[torch.nn.Parameter],
-                            group: comm.Group = None) -> None:
-    """The oracle: one blocking all-reduce per parameter, then divide. Slow and obviously
-    right; tests hold the bucketed reducer against it."""
-    world_size = comm.size_of(group)
-    for param in params:
-        if param.grad is not None:
-            comm.all_reduce(param.grad, "naive per-parameter all-reduce", group)
-            param.grad.div_(world_size)
 
 
 def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

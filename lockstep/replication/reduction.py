@@ -49,6 +49,31 @@ def scaled_copy(grad: torch.Tensor, view: torch.Tensor, scale: float) -> None:
         view.copy_(grad)
 
 
+def adopt_gradient(param: torch.Tensor, view: torch.Tensor, scale: float,
+           reduction: Reduction | None = None, bucket: Bucket | None = None) -> None:
+    """Bring `param`'s gradient into its bucket slot, scaled, in one pass over memory, and
+    point `.grad` at the slot.
+
+    Scaling by 1/N here, as the gradient enters the bucket, replaces a separate division
+    pass over every bucket after the all-reduce (and the sum of pre-scaled values cannot
+    overflow in low precision). A fresh tensor from autograd (after
+    zero_grad(set_to_none=True)) is handed to the reduction, which may move only what its
+    peers will read (see HostSlices.absorb); one already in the slot is scaled in place.
+    """
+    grad = param.grad
+    assert grad is not None
+    if grad is view:
+        if scale != 1.0:
+            view.mul_(scale)
+        return
+    with torch.no_grad():  # under create_graph the gradient has a graph: take its values
+        if reduction is None or bucket is None:
+            scaled_copy(grad, view, scale)
+        else:
+            reduction.absorb(grad, view, scale, bucket)
+    param.grad = view
+
+
 class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it."""
 
@@ -71,6 +96,10 @@ class Reduction:
     buckets in arrival order; `start` is what every reduction must say."""
 
     name = "?"
+    # The reducer scales each gradient by 1/N as it enters its bucket, so `start` sums.
+    # False: buckets hold this rank's gradients as they are, and `start` averages
+    # (DDP's communication hooks expect that; commhook.py).
+    prescale = True
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:

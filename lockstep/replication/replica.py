@@ -20,19 +20,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from lockstep import comm
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import current
 from lockstep.logs import get_logger
+from lockstep.replication.algorithms import Native
 from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.replication.choices import make_reduction
+from lockstep.replication.commhook import CommHook, check_comm_hook
 from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
 from lockstep.replication.join import Join, JoinError, JoinHook
 from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
+from lockstep.replication.ownership import Owned, claim, owner_of
 from lockstep.replication.reducer import Reducer, trainable
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.syncbn import SyncBatchNorm
@@ -67,7 +69,8 @@ class DataParallel(nn.Module):
             algorithm. See compress.py; `comm_stats()` reports the bytes.
         reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
             AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
-            See reduction.py.
+            See reduction.py. (DDP's `register_comm_hook(state, hook)` works too, and
+            runs torch's hooks unchanged: commhook.py.)
         nonfinite: what a NaN or inf in some rank's local gradient does: "error" (stop,
             naming the step, the ranks and the first parameter), "skip" (drop the step on
             every rank, counted in `comm_stats()`), or "off". See nonfinite.py.
@@ -108,9 +111,9 @@ class DataParallel(nn.Module):
         self._find_unused = bool(pick("find_unused", find_unused or None,
                                        "find_unused_parameters", ddp.find_unused, False))
         self._nonfinite = nonfinite
-        self._owned = _Owned()
-        self.reduction = self._make_reduction(algorithm, compress, reduction)
-        self._owned.add(self.reduction.close)
+        self._owned = Owned()
+        self.reduction = self._owned.reduction = self._make_reduction(algorithm, compress,
+                                                                      reduction)
         self.reducer = self._new_reducer()
         self._join: Any = None  # the active Join, when inside `join()`
         self._buffers_due = True  # broadcast buffers before the next grad-enabled forward
@@ -120,7 +123,7 @@ class DataParallel(nn.Module):
         """Become the one wrapper reducing these parameters' gradients. Two live wrappers
         would each scale a gradient by 1/N in the same bucket slot."""
         for previous in {id(w): w for p in module.parameters()
-                         if (w := _owner_of(p)) is not None}.values():
+                         if (w := owner_of(p)) is not None}.values():
             log.warning("rank %d: this module is already wrapped by a live DataParallel; the "
                         "new wrapper takes over and the old one is closed",
                         comm.rank_of(self.group))
@@ -130,7 +133,7 @@ class DataParallel(nn.Module):
                 raise RuntimeError(f"rank {comm.rank_of(self.group)}: a parameter of this "
                                    "module has no values (a ZeRO stage-3 wrapper released it and "
                                    "was dropped without close()); build the model again")
-            _OWNERS[p] = weakref.ref(self)
+            claim(p, self)
 
     def _make_reduction(self, algorithm: str, compress: Any,
                         reduction: Reduction | None) -> Reduction:
@@ -153,6 +156,29 @@ class DataParallel(nn.Module):
                           self._find_unused, self.group, self._nonfinite)
         self._owned.reducer = reducer
         return reducer
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """DDP's communication hook: `hook(state, bucket) -> torch.futures.Future[Tensor]`
+        becomes how buckets travel (torch's ddp_comm_hooks, or your own; see commhook.py).
+        The bucket holds this rank's gradients undivided: the hook averages. As in DDP:
+        once, before the first backward."""
+        rank = comm.rank_of(self.group)
+        check_comm_hook(hook, rank)
+        if isinstance(self.reduction, CommHook):
+            raise RuntimeError(f"rank {rank}: register_comm_hook or register_builtin_comm_hook "
+                               "can only be called once.")
+        if self.reducer.finite.backwards or self.reducer.has_unsynced_gradients():
+            raise RuntimeError(f"rank {rank}: register_comm_hook must be called before the "
+                               "first backward (as DDP requires): gradients were already "
+                               "reduced another way")
+        if type(self.reduction) is not Native:
+            raise ValueError(f"rank {rank}: a communication hook says how buckets travel, "
+                             f"and this wrapper already has a way ({self.reduction.name}, "
+                             "from algorithm=, compress= or reduction=); wrap without them")
+        self.reducer.detach()  # gradients held so far stay, and move to the new buckets
+        self.reduction.close()
+        self.reduction = self._owned.reduction = CommHook(state, hook, self.group)
+        self.reducer = self._new_reducer()
 
     def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:
         """`optimizer` (a torch.optim class, with its keyword arguments, or a function of
@@ -181,24 +207,30 @@ class DataParallel(nn.Module):
         self.reducer = self._new_reducer()
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
+        training = self._before_forward()
         output = self.module(*args, **kwargs)
-        self._after_forward(output)
+        if training:
+            self._after_forward(output)
         return output
 
     @torch.compiler.disable  # collectives and bookkeeping stay out of a compiled graph
-    def _before_forward(self) -> None:
-        if self._release.alive and torch.is_grad_enabled():
-            self._before_training_forward()
-        elif not self._release.alive:
+    def _before_forward(self) -> bool:
+        """Start a training forward (grad-enabled) and say whether this is one. A forward
+        that activation checkpointing recomputes inside the backward it armed is not: it
+        replays the step, so it issues no collective and arms nothing (the backward under
+        way reduces each gradient once)."""
+        if not self._release.alive:
             raise RuntimeError(f"rank {comm.rank_of(self.group)}: this DataParallel was "
                                "closed (or superseded by a newer wrapper of the same module); "
                                "call .module directly or wrap the module again")
+        if not torch.is_grad_enabled() or self.reducer.recomputing():
+            return False
+        self._before_training_forward()
+        return True
 
     @torch.compiler.disable
     def _after_forward(self, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.reducer.watch_outputs(output)
+        self.reducer.watch_outputs(output)
 
     def _before_training_forward(self) -> None:
         """The collectives every grad-enabled forward issues, in this fixed order. A joined
@@ -235,13 +267,13 @@ class DataParallel(nn.Module):
 
     @contextmanager
     def join(self, optimizers: Sequence[torch.optim.Optimizer] = (),
-             sync_final_model: bool = True, *, divide_by_initial_world_size: bool = False,
+             sync_final_model: bool = True, *, divide_by_initial_world_size: bool = True,
              enable: bool = True) -> Iterator[None]:
         """Train on uneven inputs: a rank that runs out of batches early keeps matching the
-        others' collectives (contributing nothing) until every rank is done. Gradients are
-        averaged over the ranks that still had data -- or, with
-        `divide_by_initial_world_size=True` (DDP's default), over all ranks, the finished
-        ones counting as zeros.
+        others' collectives (contributing nothing) until every rank is done. As in DDP,
+        gradients are divided by the initial world size, the finished ranks counting as
+        zeros; with `divide_by_initial_world_size=False`, averaged over the ranks that
+        still had data.
 
         Pass the optimizers: ranks that stopped early skipped steps, so at the end their
         state (momentum, Adam moments) is replaced by that of a rank that trained to the
@@ -352,37 +384,6 @@ class _ReplicaJoinHook:
                                           "join: final broadcast of optimizer state", group)
             if not mine:
                 optimizer.load_state_dict(state)
-
-
-class _Owned:
-    """What a wrapper gives back when closed or collected: its reducer's hooks, then
-    whatever else it registered (a reduction's threads and groups, ZeRO's gather hooks).
-    It holds no reference to the wrapper, so the wrapper can be collected while this waits
-    in its finalizer."""
-
-    def __init__(self) -> None:
-        self.reducer: Reducer | None = None
-        self._releases: list[Callable[[], None]] = []
-
-    def add(self, release: Callable[[], None]) -> None:
-        self._releases.append(release)
-
-    def release(self) -> None:
-        if self.reducer is not None:
-            self.reducer.detach()
-        for release in self._releases:
-            release()
-
-
-# Which live wrapper reduces each parameter's gradient (weakly: a dropped wrapper is
-# collected, and its entries go with it).
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _owner_of(param: torch.Tensor) -> DataParallel | None:
-    ref = _OWNERS.get(param)
-    wrapper = ref() if ref is not None else None
-    return wrapper if wrapper is not None and wrapper._release.alive else None
 
 
 def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:

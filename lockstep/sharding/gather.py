@@ -38,6 +38,8 @@ class Gatherer:
 
     def __init__(self, module: nn.Module, groups: list[FlatGroup], group: comm.Group) -> None:
         self.groups, self.group = groups, group
+        # Known now: a finalizer at interpreter exit may run after the process group is gone.
+        self.rank = comm.rank_of()
         unit_of = {id(p): g.index for g in groups for p in g.params}
         self.users = [0] * len(groups)
         self.order: list[int] = []
@@ -167,11 +169,13 @@ class Gatherer:
         self._handles = []
 
 
-def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup]) -> None:
+def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup], rank: int) -> None:
     """The wrapper was dropped without close(): its shards are gone, and the module's
-    parameters have no values. Make every use of them an error instead of a crash."""
+    parameters have no values. Make every use of them an error instead of a crash. Asks
+    nothing of the process group (`rank` is the caller's): this runs from a finalizer,
+    also at interpreter exit, when the group may be destroyed already."""
     names = [n for g in groups for n in g.names]
-    message = (f"rank {comm.rank_of()}: the parameters of this module ({', '.join(names[:4])}"
+    message = (f"rank {rank}: the parameters of this module ({', '.join(names[:4])}"
                f"{', ...' if len(names) > 4 else ''}) were sharded by a ZeRO stage-3 wrapper "
                "(lockstep.shard) that was dropped without close(); their values are gone. Call "
                "model.close() (which gives the module its full parameters back) or save "

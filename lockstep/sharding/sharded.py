@@ -78,6 +78,10 @@ class ShardedDataParallel(DataParallel):
     def _reduced_params(self) -> list[tuple[str, nn.Parameter]]:
         return reducer_params(self.zero_groups)
 
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        raise ValueError(f"rank {comm.rank_of(self.group)}: lockstep.shard reduces with its "
+                         "own reduce-scatter and all-gather; it takes no communication hook")
+
     def _follow_requires_grad(self) -> None:
         if self._requires_grad_changed():
             raise ValueError(f"rank {comm.rank_of(self.group)}: requires_grad changed after "
@@ -133,7 +137,7 @@ class _Orphaning:
     def release(self) -> None:
         if self.gatherer.managing:
             self.gatherer.remove_hooks()
-            guard_orphans(self.gatherer.owners, self.gatherer.groups)
+            guard_orphans(self.gatherer.owners, self.gatherer.groups, self.gatherer.rank)
 
 
 @dataclass
