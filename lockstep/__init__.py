@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.replication.algorithms import AllReduce
     from lockstep.replication.compress import PowerSGD, TopK
     from lockstep.replication.consistency import ModelMismatchError
+    from lockstep.replication.ddp_args import NothingToTrainError
     from lockstep.replication.drift import DriftCheck, DriftError
     from lockstep.replication.join import JoinError
     from lockstep.replication.memory import memory_report
@@ -83,6 +84,7 @@ _WHERE = {
     "LocalSGDConfig": "lockstep.lowcomm.rounds",
     "LossScaler": "lockstep.replication.precision",
     "ModelMismatchError": "lockstep.replication.consistency",
+    "NothingToTrainError": "lockstep.replication.ddp_args",
     "NonFiniteGradientError": "lockstep.replication.nonfinite",
     "PowerSGD": "lockstep.replication.compress",
     "Reduction": "lockstep.replication.reduction",
@@ -148,6 +150,7 @@ __all__ = [
     "LossScaler",
     "ModelMismatchError",
     "NonFiniteGradientError",
+    "NothingToTrainError",
     "PowerSGD",
     "Reduction",
     "ShardConfig",
