@@ -12,14 +12,18 @@ import io
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 from torch import nn
 
 import lockstep
 from lockstep.testing import World
 from lockstep.training import checkpoint
+from tests.models import make_model
 from tests.test_checkpoint_safety import _Records, forge_manifest
 from tests.test_trainer import config, digit_sets, sgd, train
 
@@ -110,3 +114,57 @@ def test_a_changed_model_is_told_its_real_shapes_and_what_to_do(world2: World,
         assert "model.0.weight has shape [64, 64] in the checkpoint and [32, 64] in this " \
             "model" in said, said
         assert "new run_dir" in said and "resume='never'" in said, said
+
+
+def check_a_finished_run_again(run_dir: str) -> dict[str, Any]:
+    world = lockstep.init()
+    trainer, first = train(run_dir, max_steps=4)
+    exported = Path(run_dir) / "model.pt"
+    metrics = Path(run_dir) / "metrics.jsonl"
+    trainer.export(exported)
+    written = exported.stat().st_mtime_ns if world.is_main else 0
+    lines = len(metrics.read_text().splitlines()) if world.is_main else 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        again, second = train(run_dir, max_steps=4, resume="auto")
+        again.export(exported)
+    return {"first": first, "second": second, "printed": printed.getvalue(),
+            "rewritten": world.is_main and exported.stat().st_mtime_ns != written,
+            "new_metrics": world.is_main and len(metrics.read_text().splitlines()) - lines}
+
+
+def test_a_finished_run_started_again_does_no_work_and_returns_its_results(
+        world2: World, tmp_path: Path) -> None:
+    main, other = world2.run(check_a_finished_run_again, str(tmp_path / "run"))
+    assert "run already complete at step 4" in main["printed"]
+    assert "left as it is" in main["printed"]
+    assert main["new_metrics"] == 0 and not main["rewritten"]  # no evaluation, no export
+    assert main["second"]["already_finished"] and not main["first"]["already_finished"]
+    for key in ("steps", "test_loss", "test_accuracy", "fingerprint"):
+        assert main["second"][key] == main["first"][key], key
+    assert other["second"]["steps"] == 4
+
+
+def test_load_weights_refuses_another_dtype(tmp_path: Path) -> None:
+    model = make_model("mlp")
+    as_int = {k: (v * 100).to(torch.int64) for k, v in model.state_dict().items()}
+    torch.save(as_int, tmp_path / "ints.pt")
+    with pytest.raises(ValueError, match=r"ints.pt: 0.weight is stored as torch.int64, the "
+                                         r"module holds torch.float32"):
+        lockstep.load_weights(make_model("mlp"), tmp_path / "ints.pt")
+    if lockstep.training.optional.available("safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(as_int, str(tmp_path / "ints.safetensors"))
+        with pytest.raises(ValueError, match=r"is stored as torch\.int64"):
+            lockstep.load_weights(make_model("mlp"), tmp_path / "ints.safetensors")
+
+
+def test_safetensors_missing_says_what_to_install(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ModuleNotFoundError, match=r"pip install safetensors \(or pip "
+                                                  r"install 'lockstep\[export\]'\)"):
+        lockstep.export_weights(make_model("mlp"), tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()
