@@ -30,7 +30,7 @@ from tests.test_trainer import config, digit_sets, sgd, train
 # (field, crafted value): each is valid JSON; none is a position of this run.
 STATE_CASES: list[tuple[str, Any]] = [
     ("step_in_epoch", -2), ("global_step", "4"), ("history", "not a list"),
-    ("sampler.position", -96), ("epoch", 1.5)]
+    ("sampler.position", -96), ("epoch", 1.5), ("scheduler.last_epoch", "x")]
 
 
 def _edit_state(folder: Path, field: str, value: Any) -> None:
@@ -44,14 +44,23 @@ def _edit_state(folder: Path, field: str, value: Any) -> None:
     forge_manifest(folder)
 
 
+def _train(run_dir: str, **overrides: object) -> tuple[lockstep.Trainer, dict[str, Any]]:
+    """test_trainer's run with a learning-rate scheduler, whose state is checkpointed too."""
+    train_set, test_set = digit_sets()
+    trainer = lockstep.Trainer(
+        make_model("mlp"), sgd, train_set, test_set,
+        config=config(run_dir, max_steps=4, checkpoint_every_steps=2, **overrides),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=10))
+    return trainer, trainer.fit()
+
+
 def _resume_and_listen(run_dir: str, **overrides: object) -> dict[str, Any]:
     """Resume (resume="auto"), keeping what rank 0 printed and the loader warned."""
     records, printed = _Records(), io.StringIO()
     logging.getLogger("lockstep.training.checkpoint").addHandler(records)
     try:
         with contextlib.redirect_stdout(printed):
-            _, summary = train(run_dir, max_steps=4, checkpoint_every_steps=2,
-                               resume="auto", **overrides)
+            _, summary = _train(run_dir, resume="auto", **overrides)
         outcome = f"trained to step {summary['steps']}"
     except Exception as error:  # what a user would see instead of a skip
         outcome = f"raised {type(error).__name__}: {error}"
@@ -62,7 +71,7 @@ def _resume_and_listen(run_dir: str, **overrides: object) -> dict[str, Any]:
 
 def check_wrong_state_fields(run_dir: str) -> list[dict[str, Any]]:
     world = lockstep.init()
-    train(run_dir, max_steps=4, checkpoint_every_steps=2)
+    _train(run_dir)
     newest = Path(run_dir) / "checkpoints" / "step-00000004"
     pristine = Path(run_dir) / "pristine"
     if world.is_main:

@@ -171,7 +171,9 @@ class Checkpoints:
         a state is skipped like a corrupt one, before anything of it is loaded."""
         problem = _schema_problem(saved, _STATE_FIELDS, "") or \
             _schema_problem(saved["sampler"], _SAMPLER_FIELDS, "sampler.") or \
-            _history_problem(saved["history"])
+            _history_problem(saved["history"]) or \
+            _like_live(saved["scheduler"], self.scheduler, "scheduler") or \
+            _like_live(saved.get("scaler"), self.scaler, "scaler")
         if problem is not None:
             return problem
         same_epochs = saved["global_batch_size"] == self.global_batch and \
@@ -229,6 +231,28 @@ def _schema_problem(saved: dict[str, Any], fields: _Fields, prefix: str) -> str 
         if not valid(saved[name]):
             return f"field '{prefix}{name}' is {_shown(saved[name])}, not {what}"
     return None
+
+
+def _like_live(saved: dict[str, Any] | None, live: Any, field: str) -> str | None:
+    """A scheduler's or scaler's saved state has only the entries its live state_dict has,
+    each of the same kind: load_state_dict copies what it is given into the object."""
+    if saved is None or live is None:
+        return None
+    own = live.state_dict()
+    for key, value in saved.items():
+        if key not in own:
+            return f"field '{field}' has an entry {key[:40]!r} that this {field} does not"
+        if own[key] is not None and _kind(value) != _kind(own[key]):
+            return f"field '{field}.{key}' is {_shown(value)}, not like {_shown(own[key])}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "list" if isinstance(value, (list, tuple)) else type(value).__name__
 
 
 def _history_problem(history: list[Any]) -> str | None:
