@@ -442,3 +442,23 @@ def test_files_that_never_end_huge_files_and_links_are_refused_at_once(
         "a sparse 1 TiB tensor file whose header declares it"]
     assert "is stored as int64, this model holds float32" in said[
         "a tensor stored as int64 where the model holds float32"]
+
+
+def check_a_linked_checkpoint_folder(root: str, elsewhere: str) -> dict[str, object]:
+    """A newer "checkpoint" that is a link to a folder outside the run's: never loaded."""
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    checkpoint.save(root, 1, model, opt, {})
+    if world.is_main:
+        shutil.copytree(Path(root) / "step-00000001", elsewhere)
+        (Path(root) / "step-00000009").symlink_to(elsewhere)
+    world.barrier()
+    return _try_to_load(root, Path(root) / "step-00000001", model, opt)
+
+
+def test_a_checkpoint_folder_that_is_a_link_is_skipped(world2: World, tmp_path: Path) -> None:
+    main, _ = world2.run(check_a_linked_checkpoint_folder, str(tmp_path / "ck"),
+                         str(tmp_path / "elsewhere"))
+    assert main["auto"] == "step-00000001"
+    assert any("step-00000009: it is a symbolic link" in w for w in main["warnings"])
