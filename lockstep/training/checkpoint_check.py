@@ -6,6 +6,13 @@ too: only lockstep's own file names, every tensor file's header (lockstep.traini
 the pieces they describe (lockstep.training.checkpoint_files), and every JSON file parses as an
 object. Nothing is unpickled, ever; a pickle found in a checkpoint is refused and described
 by the globals it names, read from its opcodes.
+
+Safe to read: only regular files that the manifest lists, inside the folder, opened without
+following a link or waiting for a writer (tensorfile.open_regular), their type and size
+checked before any is opened and every header before any file is hashed -- so a named pipe,
+a link or a sparse terabyte is refused at once on rank 0, and the others hear of it. Fits:
+given what the loading model holds (`Expected`), every tensor's dtype and shape, and
+state.json's content, are checked too: wrong content is skipped, never converted.
 """
 
 from __future__ import annotations
@@ -76,6 +83,15 @@ def manifest_of(folder: Path) -> dict[str, Any]:
 
 
 def verify(folder: Path, expected: Expected | None = None) -> str | None:
+    """None if `folder` is a checkpoint lockstep can load, else what is wrong with it; never
+    raises for what is in the folder (rank 0 decides for every rank: it must answer)."""
+    try:
+        return _verify(folder, expected)
+    except (OSError, ValueError, RecursionError, MemoryError) as error:  # e.g. a file gone
+        return f"cannot be checked ({type(error).__name__}: {error})"
+
+
+def _verify(folder: Path, expected: Expected | None) -> str | None:
     """None if `folder` is a complete, intact checkpoint that lockstep can read safely (and,
     given `expected`, one that fits the model loading it); otherwise what is wrong with it.
     The manifest is a checksum, not a signature (whoever can write the folder can recompute
@@ -168,7 +184,10 @@ def _refusal(folder: Path, names: set[str], expected: Expected | None) -> str | 
         return None
     problem = checkpoint_files.mismatch(found, expected.tensors, expected.shapes)
     if problem is None and expected.state is not None:
-        problem = expected.state(json_files[STATE])
+        try:
+            problem = expected.state(json_files[STATE])
+        except Exception as error:  # a field the schema missed: still a skip, not a crash
+            problem = f"its content cannot be checked ({type(error).__name__}: {error})"
         problem = problem and f"{folder / STATE}: {problem}"
     return problem and f"refused to load {problem}"
 
