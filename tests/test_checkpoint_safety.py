@@ -16,8 +16,10 @@ import logging
 import os
 import pickle
 import shutil
+import stat
 import struct
 import subprocess
+import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +28,7 @@ import pytest
 import torch
 
 import lockstep
+from lockstep import comm
 from lockstep.testing import World
 from lockstep.training import checkpoint, tensorfile
 from tests.models import make_model
@@ -123,11 +126,17 @@ CASES = [*PAYLOADS, "bytes entry holding a pickle", "tensor file replaced by tor
          "huge declared size", "huge declared header"]
 
 
-def forge_manifest(folder: Path) -> None:
-    """What an attacker does after editing: recompute every size and SHA-256."""
-    files = {p.name: {"bytes": p.stat().st_size,
-                      "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
-             for p in sorted(folder.iterdir()) if p.name != "MANIFEST.json"}
+def forge_manifest(folder: Path, leave_out: tuple[str, ...] = ()) -> None:
+    """What an attacker does after editing: recompute every size and SHA-256 (following
+    links, as a reader that follows them would). A named pipe or a sparse terabyte cannot be
+    hashed in time: its size is right and its checksum made up."""
+    files = {}
+    for p in sorted(folder.iterdir()):
+        if p.name == "MANIFEST.json" or p.name in leave_out:
+            continue
+        hashable = stat.S_ISREG(p.stat().st_mode) and p.stat().st_size < 1 << 30
+        files[p.name] = {"bytes": p.stat().st_size, "sha256": hashlib.sha256(
+            p.read_bytes() if hashable else b"").hexdigest()}
     (folder / "MANIFEST.json").write_text(json.dumps({"files": files}))
 
 
@@ -169,11 +178,11 @@ def check_hostile_checkpoints(root: str, marker: str) -> list[dict[str, object]]
 
 
 def _try_to_load(root: str, newest: Path, model: torch.nn.Module,
-                 opt: torch.optim.Optimizer) -> dict[str, object]:
+                 opt: torch.optim.Optimizer, fits: object = None) -> dict[str, object]:
     records = _Records()
     logging.getLogger("lockstep.training.checkpoint").addHandler(records)
     try:
-        chosen = checkpoint.latest_valid(root)
+        chosen = checkpoint.latest_valid(root, fits)  # type: ignore[arg-type]
     finally:
         logging.getLogger("lockstep.training.checkpoint").removeHandler(records)
     try:
@@ -311,3 +320,145 @@ def test_folders_lockstep_did_not_write_are_never_deleted(world2: World,
             check_folders_lockstep_did_not_write_are_kept, str(tmp_path / "ckpt")):
         assert "is not a lockstep checkpoint" in refused and "rank 0:" in refused, refused
         assert kept1 and kept2 and not ours_left
+
+
+# ---- files that never end, sparse terabytes and links: refused at once, never read -------
+
+TiB = 1 << 40
+SECRET = (b"SECRET!!" + b"someone else's private bytes. " * 200)[:4093]
+
+
+def _retyped(path: Path, dtype: torch.dtype) -> str:
+    """Rewrite the first float tensor of a tensor file as `dtype`, header and all: a
+    well-formed file holding other numbers than the model's. Returns its key."""
+    header = tensorfile.read_header(path)
+    with open(path, "rb") as f:
+        tensors = {k: tensorfile.read(f, e, 0, e.numel).view(e.shape)
+                   for k, e in header.entries.items()}
+    key = next(k for k, t in tensors.items() if t.is_floating_point() and t.dim() == 2)
+    tensors[key] = tensors[key].to(dtype)
+    tensorfile.write(path, tensors, header.metadata)
+    return key
+
+
+def _plant_file(case: str, folder: Path, private: Path) -> str:
+    """Make `folder` hostile as `case` says, manifest forged; return what the messages must
+    name (the file, or the manifest's odd name)."""
+    tensors, manifest = folder / "tensors-rank0.safetensors", folder / "MANIFEST.json"
+    planted, leave_out = tensors, ()
+    if case == "a named pipe listed in the manifest":
+        planted = folder / "notes"
+        os.mkfifo(planted)
+    elif case == "a sparse 1 TiB tensor file":
+        os.truncate(tensors, TiB)
+    elif case == "a sparse 1 TiB tensor file whose header declares it":
+        _with_entry(tensors, "extra/huge", "F32", b"", [TiB // 4])
+        os.truncate(tensors, tensors.stat().st_size + TiB)
+    elif case == "a tensor file linked to another checkpoint's":
+        tensors.unlink()
+        tensors.symlink_to(folder.parent / "step-00000001" / tensors.name)
+    elif case == "rank 1's tensor file unlisted and linked to a private file":
+        planted = folder / "tensors-rank1.safetensors"
+        planted.unlink()
+        planted.symlink_to(private)
+        leave_out = (planted.name,)
+    elif case == "a tensor stored as int64 where the model holds float32":
+        _retyped(tensors, torch.int64)
+    forge_manifest(folder, leave_out)
+    if case == "MANIFEST.json is a named pipe":
+        manifest.unlink()
+        os.mkfifo(manifest)
+        planted = manifest
+    elif case == "a sparse 1 TiB MANIFEST.json":
+        os.truncate(manifest, TiB)
+        planted = manifest
+    elif case == "a manifest file name with a NUL byte":
+        files = json.loads(manifest.read_text())
+        files["files"]["a\0b"] = {"bytes": 1, "sha256": "0" * 64}
+        manifest.write_text(json.dumps(files))
+        return repr("a\0b")
+    return str(planted)
+
+
+FILE_CASES = ["MANIFEST.json is a named pipe", "a named pipe listed in the manifest",
+              "a sparse 1 TiB tensor file", "a sparse 1 TiB tensor file whose header declares it",
+              "a sparse 1 TiB MANIFEST.json", "a tensor file linked to another checkpoint's",
+              "rank 1's tensor file unlisted and linked to a private file",
+              "a manifest file name with a NUL byte",
+              "a tensor stored as int64 where the model holds float32"]
+
+
+def check_hostile_files(root: str, private: str) -> list[dict[str, object]]:
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    model(torch.zeros(2, 64)).sum().backward()
+    opt.step()
+    checkpoint.save(root, 1, model, opt, {})
+    newest = checkpoint.save(root, 2, model, opt, {})
+    pristine = Path(root).parent / "pristine"
+    if world.is_main:
+        shutil.copytree(newest, pristine)
+    results = []
+    for case in FILE_CASES:
+        planted = ""
+        if world.is_main:
+            shutil.rmtree(newest)
+            shutil.copytree(pristine, newest)
+            planted = _plant_file(case, newest, Path(private))
+        planted = str(comm.broadcast_object(planted, 0, "test: what was planted"))
+        started = time.monotonic()
+        found = _try_to_load(root, newest, model, opt, checkpoint.expected(model, opt))
+        results.append({"case": case, "planted": planted,
+                        "seconds": time.monotonic() - started, **found})
+    return results
+
+
+def test_files_that_never_end_huge_files_and_links_are_refused_at_once(
+        world2: World, tmp_path: Path) -> None:
+    private = tmp_path / "private"
+    private.write_bytes(SECRET)
+    per_rank = world2.run(check_hostile_files, str(tmp_path / "ck"), str(private))
+    leaks = [str(struct.unpack("<Q", SECRET[:8])[0]), "4093", "SECRET", "private bytes"]
+    for rank, results in enumerate(per_rank):
+        assert [r["case"] for r in results] == FILE_CASES
+        for r in results:
+            case, planted, explicit = r["case"], str(r["planted"]), str(r["explicit"])
+            assert r["auto"] == "step-00000001", (case, r["warnings"])
+            assert f"rank {rank}:" in explicit and planted in explicit, (case, explicit)
+            assert float(r["seconds"]) < 20, (case, r["seconds"])  # not a timeout waited out
+            said = " ".join([explicit, *map(str, r["warnings"])])
+            assert not any(leak in said for leak in leaks), (case, said)
+            if rank == 0:
+                warning = next(w for w in r["warnings"] if "skipping" in w)
+                assert planted in warning, (case, warning)
+    said = {r["case"]: str(r["explicit"]) for r in per_rank[0]}
+    assert "is a named pipe (FIFO), not a regular file" in said["MANIFEST.json is a named pipe"]
+    assert "not a regular file" in said["a named pipe listed in the manifest"]
+    assert "symbolic link" in said["a tensor file linked to another checkpoint's"]
+    assert "not listed in the checkpoint's manifest" in said[
+        "rank 1's tensor file unlisted and linked to a private file"]
+    assert "more than this model's state could take" in said[
+        "a sparse 1 TiB tensor file whose header declares it"]
+    assert "is stored as int64, this model holds float32" in said[
+        "a tensor stored as int64 where the model holds float32"]
+
+
+def check_a_linked_checkpoint_folder(root: str, elsewhere: str) -> dict[str, object]:
+    """A newer "checkpoint" that is a link to a folder outside the run's: never loaded."""
+    world = lockstep.init()
+    model = make_model("mlp")
+    opt = sgd(model.parameters())
+    checkpoint.save(root, 1, model, opt, {})
+    if world.is_main:
+        shutil.copytree(Path(root) / "step-00000001", elsewhere)
+        (Path(root) / "step-00000009").symlink_to(elsewhere)
+    world.barrier()
+    return _try_to_load(root, Path(root) / "step-00000001", model, opt)
+
+
+def test_a_checkpoint_folder_that_is_a_link_is_skipped(world2: World, tmp_path: Path) -> None:
+    main, _ = world2.run(check_a_linked_checkpoint_folder, str(tmp_path / "ck"),
+                         str(tmp_path / "elsewhere"))
+    assert main["auto"] == "step-00000001"
+    assert any("step-00000009: it is a symbolic link" in w for w in main["warnings"])

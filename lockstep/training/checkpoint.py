@@ -47,13 +47,21 @@ from lockstep import comm
 from lockstep.logs import get_logger
 from lockstep.sharding import reshard
 from lockstep.training import checkpoint_files
-from lockstep.training.checkpoint_check import MANIFEST, STATE, manifest_of, read_json, verify
+from lockstep.training.checkpoint_check import (
+    MANIFEST,
+    STATE,
+    Expected,
+    listed_files,
+    manifest_of,
+    read_json,
+    verify,
+)
 from lockstep.training.tensorfile import FormatError
 
 log = get_logger(__name__)
 
-__all__ = ["MANIFEST", "STATE", "CheckpointError", "latest_valid", "list_checkpoints", "load",
-           "remove_stale", "save", "verify"]
+__all__ = ["MANIFEST", "STATE", "CheckpointError", "Expected", "expected", "latest_valid",
+           "list_checkpoints", "load", "remove_stale", "save", "verify"]
 
 _PREFIX = "step-"
 _TEMPORARY = re.compile(r"\.tmp-step-\d{8,}-[0-9a-f]{32}")  # the only names remove_stale deletes
@@ -156,6 +164,30 @@ def _tensors(model: nn.Module, optimizer: Any) -> dict[str, Any]:
     return {"model": model_state, "optim": optim_state}
 
 
+def _shapes(model: nn.Module) -> dict[str, list[int]]:
+    """The model's own shapes of the tensors reshard's layout flattens, for messages."""
+    if not hasattr(model, "reducer"):
+        return {}
+    module: nn.Module = model.module  # type: ignore[assignment]
+    return {**{f"model.{n}": list(p.shape) for n, p in module.named_parameters()},
+            **{f"buffer.{n}": list(b.shape) for n, b in module.named_buffers()}}
+
+
+def expected(model: nn.Module, optimizer: torch.optim.Optimizer,
+             extra: dict[str, torch.Tensor] | None = None,
+             state: Callable[[dict[str, Any]], str | None] | None = None) -> Expected:
+    """What loading into `model`, `optimizer` and `extra` needs of a checkpoint, for
+    `verify` and `latest_valid`: every tensor's shape and dtype, and `state`, a check of
+    state.json's content (what is wrong with it, or None)."""
+    bundle = {**_tensors(model, optimizer), "extra": dict(extra or {})}
+    tensors = {}
+    for leaf in checkpoint_files.leaves(bundle):
+        if isinstance(leaf.value, torch.Tensor):  # a ShardedTensor too: its global size
+            tensors[leaf.key] = (tuple(leaf.value.size()), leaf.value.dtype)
+    shapes = {key: tuple(shape) for key, shape in _shapes(model).items()}
+    return Expected(tensors, shapes, state)
+
+
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], keep: int = 3,
          extra: dict[str, torch.Tensor] | None = None) -> Path:
@@ -172,7 +204,7 @@ def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.O
     _together("create its folder", final, None,
               lambda: _create(root, tmp) if rank == 0 else None)
     _together("write every rank's files", final, tmp,
-              lambda: _write_files(tmp, bundle, state, step))
+              lambda: _write_files(tmp, bundle, state, step, _shapes(model)))
     _together("publish it", final, tmp,
               lambda: _publish(tmp, final, keep, step) if rank == 0 else None)
     return final
@@ -212,11 +244,12 @@ def _create(root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_files(tmp: Path, bundle: dict[str, Any], state: dict[str, Any], step: int) -> None:
+def _write_files(tmp: Path, bundle: dict[str, Any], state: dict[str, Any], step: int,
+                 shapes: dict[str, list[int]]) -> None:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     path = tmp / checkpoint_files.TENSORS.format(rank)
     with _naming(path):
-        checkpoint_files.write_rank(path, bundle, rank, world_size)
+        checkpoint_files.write_rank(path, bundle, rank, world_size, shapes)
     _write_json(tmp / f"rng-rank{rank}.json", rng_state())
     if rank == 0:
         _write_json(tmp / STATE, {**state, "step": step, "world_size": world_size})
@@ -276,14 +309,15 @@ def _is_ours(folder: Path) -> bool:
 # ---- find / load ---------------------------------------------------------------------------
 
 
-def latest_valid(root: str | Path) -> Path | None:
-    """The newest checkpoint that passes verification, warning about each one skipped.
-    Rank 0 decides and tells the others, so every rank loads the same one."""
+def latest_valid(root: str | Path, fits: Expected | None = None) -> Path | None:
+    """The newest checkpoint that passes verification (and fits the model, given `fits`:
+    see `expected`), warning about each one skipped. Rank 0 decides and tells the others,
+    so every rank loads the same one."""
     choice = None
     if dist.get_rank() == 0:
         found, reasons = list_checkpoints(Path(root)), []
         for folder in found:
-            problem = verify(folder)
+            problem = _SYMLINKED if folder.is_symlink() else verify(folder, fits)
             if problem is None:
                 choice = str(folder)
                 break
@@ -299,15 +333,20 @@ def latest_valid(root: str | Path) -> Path | None:
     return Path(choice) if choice else None
 
 
+_SYMLINKED = "it is a symbolic link; lockstep reads only checkpoint folders under the run's"
+
+
 def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-         extra: dict[str, torch.Tensor] | None = None, verified: bool = False
-         ) -> dict[str, Any]:
-    """Verify a checkpoint (unless `verified`: latest_valid just chose it), load it into
-    `model` and `optimizer` (on every rank) and restore this rank's RNG state when the
+         extra: dict[str, torch.Tensor] | None = None, verified: bool = False,
+         check: Callable[[dict[str, Any]], str | None] | None = None) -> dict[str, Any]:
+    """Verify a checkpoint (unless `verified`: latest_valid just chose it) against the model
+    and optimizer (and `check`, of state.json's content, see `expected`), load it
+    into `model` and `optimizer` (on every rank) and restore this rank's RNG state when the
     checkpoint has one for it. Returns the JSON state."""
     folder, rank = Path(folder), dist.get_rank()
     if not verified:  # hashing every file is a full read of the checkpoint: do it once
-        problem = verify(folder) if rank == 0 else None
+        fits = expected(model, optimizer, extra, check)  # every rank: _tensors may talk
+        problem = verify(folder, fits) if rank == 0 else None
         problem = comm.broadcast_object(problem, 0, "checkpoint: verifying before loading")
         if problem is not None:
             raise CheckpointError(f"rank {rank}: checkpoint {folder} is not valid: {problem}")
@@ -334,9 +373,10 @@ def _read_into(folder: Path, bundle: dict[str, Any]) -> tuple[str | None, dict[s
     since each rank reads the files itself."""
     rng_file = folder / f"rng-rank{dist.get_rank()}.json"
     try:
-        checkpoint_files.fill(bundle, checkpoint_files.catalog(folder))
+        listed = listed_files(folder)  # every rank reads only what the manifest lists
+        checkpoint_files.fill(bundle, checkpoint_files.catalog(folder, listed))
         state = read_json(folder / STATE)
-        if rng_file.is_file():
+        if rng_file.name in listed:
             try:
                 set_rng_state(read_json(rng_file))
             except (KeyError, TypeError, ValueError, RuntimeError) as error:

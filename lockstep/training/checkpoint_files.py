@@ -30,6 +30,7 @@ from lockstep.training.tensorfile import Entry, FormatError, Header
 
 TENSORS = "tensors-rank{}.safetensors"
 _PIECES, _VALUES, _RANKS = "lockstep.pieces", "lockstep.values", "lockstep.ranks"
+_SHAPES = "lockstep.shapes"  # the model's own shapes of flattened tensors, for messages
 _MAX_RANKS = 1 << 20
 
 
@@ -60,8 +61,10 @@ def leaves(tree: Any, path: tuple[str, ...] = ()) -> Iterator[Leaf]:
 # ---- writing ---------------------------------------------------------------------------
 
 
-def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int) -> None:
-    """This rank's file: its shards; on rank 0 also the whole tensors and plain values."""
+def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int,
+               shapes: dict[str, list[int]] | None = None) -> None:
+    """This rank's file: its shards; on rank 0 also the whole tensors and plain values, and
+    `shapes`, the model's own shapes of tensors the layout flattens."""
     tensors: dict[str, torch.Tensor] = {}
     pieces: dict[str, list[Any]] = {}
     values: dict[str, Any] = {}
@@ -80,7 +83,8 @@ def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int) -
             values[leaf.key] = _plain(leaf.key, leaf.value)
     metadata = {_PIECES: json.dumps(pieces)}
     if rank == 0:
-        metadata.update({_VALUES: json.dumps(values), _RANKS: str(world_size)})
+        metadata.update({_VALUES: json.dumps(values), _RANKS: str(world_size),
+                         _SHAPES: json.dumps(shapes or {})})
     tensorfile.write(path, tensors, metadata)
 
 
@@ -112,19 +116,20 @@ class Catalog:
 
     pieces: dict[str, list[Piece]]
     values: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
 
 
-def catalog(folder: Path) -> Catalog:
-    """Read and check every tensor file's header (not the data). Raises FormatError
-    naming the file and what is wrong with it."""
-    first = _header(folder / TENSORS.format(0))
+def catalog(folder: Path, listed: set[str]) -> Catalog:
+    """Read and check every tensor file's header (not the data). Only files in `listed`
+    (the manifest's names) are read. Raises FormatError naming the file and what is wrong."""
+    first = _header(folder, 0, listed)
     ranks = first.metadata.get(_RANKS, "")
     if not ranks.isdigit() or not 0 < int(ranks) <= _MAX_RANKS:
         raise FormatError(f"{first.path}: {_RANKS} is {ranks!r}, not a number of ranks")
     values = _json(first, _VALUES)
     pieces: dict[str, list[Piece]] = {}
     for rank in range(int(ranks)):
-        header = first if rank == 0 else _header(folder / TENSORS.format(rank))
+        header = first if rank == 0 else _header(folder, rank, listed)
         described = _json(header, _PIECES)
         if set(described) != set(header.entries):
             raise FormatError(f"{header.path}: its pieces and its tensors differ")
@@ -132,13 +137,66 @@ def catalog(folder: Path) -> Catalog:
             pieces.setdefault(key, []).append(_piece(header, key, spec))
     for key, found in pieces.items():
         _check_disjoint(key, found)
-    return Catalog(pieces, values)
+    return Catalog(pieces, values, _shapes(first))
 
 
-def _header(path: Path) -> Header:
-    if not path.is_file():
-        raise FormatError(f"{path} is missing")
-    return tensorfile.read_header(path)
+def _header(folder: Path, rank: int, listed: set[str]) -> Header:
+    name = TENSORS.format(rank)
+    if name not in listed:  # never read, so nothing of it can show in a message
+        raise FormatError(f"{folder / name}: not listed in the checkpoint's manifest")
+    return tensorfile.read_header(folder / name)
+
+
+def _shapes(header: Header) -> dict[str, tuple[int, ...]]:
+    """The model's shapes (for messages only); absent in older checkpoints."""
+    if _SHAPES not in header.metadata:
+        return {}
+    shapes = _json(header, _SHAPES)
+    if not all(isinstance(s, list) and all(tensorfile.natural(d) for d in s)
+               for s in shapes.values()):
+        raise FormatError(f"{header.path}: its {_SHAPES} are not lists of sizes")
+    return {key: tuple(shape) for key, shape in shapes.items()}
+
+
+def mismatch(found: Catalog, expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
+             shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The first tensor the checkpoint lacks or holds with another shape or dtype than the
+    model (whose own shapes are `shapes`), or None. A dtype is never converted: int64
+    numbers in a float32 weight are not the weights that were saved."""
+    for key, (shape, dtype) in expected.items():
+        pieces = found.pieces.get(key)
+        if not pieces:
+            return f"{pieces_file(found)}: it has no tensor {key}, which this model holds"
+        saved = pieces[0]
+        if saved.entry.dtype != dtype:
+            return (f"{saved.path}: {key} is stored as {_name(saved.entry.dtype)}, this model "
+                    f"holds {_name(dtype)}")
+        if saved.shape != shape:
+            then = _own_shape(key, saved.shape, found.shapes)
+            return (f"{saved.path}: {key} has shape {list(then)} in the checkpoint and "
+                    f"{list(_own_shape(key, shape, shapes))} in this model. The model has "
+                    "changed since this checkpoint was written: to train the changed model, "
+                    "give it a new run_dir (or remove these checkpoints and use "
+                    "resume='never')")
+    return None
+
+
+def pieces_file(found: Catalog) -> str:
+    return str(next((p[0].path for p in found.pieces.values() if p), "its tensor files"))
+
+
+def _own_shape(key: str, flat: tuple[int, ...], shapes: dict[str, tuple[int, ...]]
+               ) -> tuple[int, ...]:
+    """A tensor's shape in the model; an optimizer state has its parameter's shape."""
+    if key in shapes:
+        return shapes[key]
+    if key.startswith("optim.") and key.count(".") >= 2:
+        return shapes.get("model." + key[len("optim."):].rsplit(".", 1)[0], flat)
+    return flat
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _json(header: Header, name: str) -> dict[str, Any]:
@@ -185,8 +243,8 @@ def fill(bundle: dict[str, Any], found: Catalog) -> None:
         files: dict[Path, io.BufferedReader] = {}
 
         def open_file(path: Path) -> io.BufferedReader:
-            if path not in files:
-                files[path] = stack.enter_context(open(path, "rb"))
+            if path not in files:  # a regular file, no link: see tensorfile.open_regular
+                files[path] = stack.enter_context(tensorfile.open_regular(path))
             return files[path]
 
         for leaf in list(leaves(bundle)):
@@ -214,6 +272,9 @@ def _fill(found: Catalog, key: str, shape: tuple[int, ...], start: int, dest: to
     if pieces[0].shape != shape:
         raise ValueError(f"{key} has shape {list(pieces[0].shape)} in the checkpoint and "
                          f"{list(shape)} here")
+    if pieces[0].entry.dtype != dest.dtype:  # converting would load other numbers
+        raise ValueError(f"{pieces[0].path}: {key} is stored as {_name(pieces[0].entry.dtype)}, "
+                         f"this model holds {_name(dest.dtype)}")
     count = dest.numel()
     values = torch.empty(count, dtype=dest.dtype)
     covered = 0

@@ -17,12 +17,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.training.optional import available
+
+_NO_SAFETENSORS = ("{path}: .safetensors files need the safetensors package, which is not "
+                   "installed: pip install safetensors (or pip install 'lockstep[export]'), "
+                   "or give the file a .pt name")
+
+
+def _need_safetensors(path: Path) -> None:
+    if path.suffix == ".safetensors" and not available("safetensors"):
+        raise ModuleNotFoundError(_NO_SAFETENSORS.format(path=path), name="safetensors")
+
 
 def export_weights(model: Any, path: str | Path) -> Path | None:
     """Save `model`'s weights and buffers (a DataParallel or a sharded one, LocalSGD, DiLoCo
     or a plain module). Call on every rank of a job: a ZeRO-3 model gathers its shards
     (`full_state_dict`, a collective). Rank 0 writes and returns the path, the others None."""
     path = Path(path)
+    _need_safetensors(path)  # before a ZeRO-3 gather, on every rank
     whole = model.full_state_dict() if hasattr(model, "full_state_dict") else \
         {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = {k: v.cpu().contiguous() for k, v in whole.items()}
@@ -39,13 +51,21 @@ def export_weights(model: Any, path: str | Path) -> Path | None:
 
 
 def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
-    """Load a file from `export_weights` into a plain (unwrapped) module; returns it."""
+    """Load a file from `export_weights` into a plain (unwrapped) module; returns it. A
+    tensor whose dtype differs from the module's is refused, not converted."""
     path = Path(path)
+    _need_safetensors(path)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         state = load_file(str(path))
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    own = module.state_dict()
+    for key, value in state.items():
+        if key in own and isinstance(value, torch.Tensor) and value.dtype != own[key].dtype:
+            raise ValueError(f"{path}: {key} is stored as {value.dtype}, the module holds "
+                             f"{own[key].dtype}; convert the module (e.g. .double()) or the "
+                             "file if that is meant, lockstep does not convert weights")
     module.load_state_dict(state)
     return module

@@ -108,7 +108,7 @@ class Checkpoints:
             return RunState()
         saved = checkpoint.load(folder, self.model.checkpoint_model(), self.optimizer,
                                 self.model.checkpoint_tensors(),
-                                verified=self.config.resume == "auto")
+                                verified=self.config.resume == "auto", check=self.state_problem)
         self._check_resumable(folder, saved)
         state = RunState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                          history=saved["history"])
@@ -125,7 +125,8 @@ class Checkpoints:
             return
         if state.global_step >= total_steps:
             print(f"run already complete at step {state.global_step} ({folder}); nothing to "
-                  "train. To train again, use a new run_dir.", flush=True)
+                  "train, evaluate or export again: fit() returns the finished run's results. "
+                  "To train again, use a new run_dir.", flush=True)
         else:
             print(f"resumed from {folder} at step {state.global_step} (epoch {state.epoch}, "
                   f"sample {saved['sampler']['position']} of it), written by "
@@ -135,7 +136,9 @@ class Checkpoints:
         if self.world.is_main:  # partial checkpoints of a run that crashed mid-write
             checkpoint.remove_stale(self.root)
         if self.config.resume == "auto":
-            return checkpoint.latest_valid(self.root)
+            fits = checkpoint.expected(self.model.checkpoint_model(), self.optimizer,
+                                       self.model.checkpoint_tensors(), self.state_problem)
+            return checkpoint.latest_valid(self.root, fits)
         if self.config.resume != "never":
             return Path(self.config.resume)
         # Rank 0 looks, everyone hears: ranks that decided apart would part ways.
@@ -161,3 +164,106 @@ class Checkpoints:
             raise ValueError(f"rank {self.world.rank}: checkpoint {folder} is at step "
                              f"{saved['step_in_epoch']} of an epoch that has only "
                              f"{self.steps_per_epoch} steps here")
+
+    def state_problem(self, saved: dict[str, Any]) -> str | None:
+        """What in a checkpoint's state.json is not a position of a run (the wrong type, out
+        of range, inconsistent), naming the field; None if nothing. A checkpoint with such
+        a state is skipped like a corrupt one, before anything of it is loaded."""
+        problem = _schema_problem(saved, _STATE_FIELDS, "") or \
+            _schema_problem(saved["sampler"], _SAMPLER_FIELDS, "sampler.") or \
+            _history_problem(saved["history"]) or \
+            _like_live(saved["scheduler"], self.scheduler, "scheduler") or \
+            _like_live(saved.get("scaler"), self.scaler, "scaler")
+        if problem is not None:
+            return problem
+        same_epochs = saved["global_batch_size"] == self.global_batch and \
+            saved["sampler"]["dataset_len"] == self.sampler.dataset_len
+        if same_epochs and saved["step_in_epoch"] >= self.steps_per_epoch:
+            return (f"field 'step_in_epoch' is {saved['step_in_epoch']}, past the end of an "
+                    f"epoch of {self.steps_per_epoch} steps")
+        position = saved["step_in_epoch"] * saved["global_batch_size"]
+        if same_epochs and (saved["global_step"] != saved["epoch"] * self.steps_per_epoch
+                            + saved["step_in_epoch"] or saved["sampler"]["position"] != position
+                            or saved["sampler"]["epoch"] != saved["epoch"]):
+            return ("fields 'global_step', 'epoch', 'step_in_epoch' and 'sampler' disagree on "
+                    "where the run stands")
+        return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _positive(value: Any) -> bool:
+    return _count(value) and value > 0
+
+
+def _optional_map(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+# field: (check, what it must be). Every field Checkpoints.save writes, checked on resume.
+_Fields = dict[str, tuple[Callable[[Any], bool], str]]
+_STATE_FIELDS: _Fields = {
+    "epoch": (_count, "a whole number >= 0"),
+    "step_in_epoch": (_count, "a whole number >= 0"),
+    "global_step": (_count, "a whole number >= 0"),
+    "global_batch_size": (_positive, "a whole number > 0"),
+    "world_size": (_positive, "a whole number > 0"),
+    "sampler": (lambda v: isinstance(v, dict), "an object"),
+    "history": (lambda v: isinstance(v, list), "a list"),
+    "scheduler": (_optional_map, "an object or null"),
+    "scaler": (_optional_map, "an object or null"),
+}
+_SAMPLER_FIELDS: _Fields = {
+    "epoch": (_count, "a whole number >= 0"),
+    "position": (_count, "a whole number >= 0"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    "shuffle": (lambda v: isinstance(v, bool), "true or false"),
+    "dataset_len": (_count, "a whole number >= 0"),
+}
+
+
+def _schema_problem(saved: dict[str, Any], fields: _Fields, prefix: str) -> str | None:
+    for name, (valid, what) in fields.items():
+        if name not in saved:
+            return f"field '{prefix}{name}' is missing"
+        if not valid(saved[name]):
+            return f"field '{prefix}{name}' is {_shown(saved[name])}, not {what}"
+    return None
+
+
+def _like_live(saved: dict[str, Any] | None, live: Any, field: str) -> str | None:
+    """A scheduler's or scaler's saved state has only the entries its live state_dict has,
+    each of the same kind: load_state_dict copies what it is given into the object."""
+    if saved is None or live is None:
+        return None
+    own = live.state_dict()
+    for key, value in saved.items():
+        if key not in own:
+            return f"field '{field}' has an entry {key[:40]!r} that this {field} does not"
+        if own[key] is not None and _kind(value) != _kind(own[key]):
+            return f"field '{field}.{key}' is {_shown(value)}, not like {_shown(own[key])}"
+    return None
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    return "list" if isinstance(value, (list, tuple)) else type(value).__name__
+
+
+def _history_problem(history: list[Any]) -> str | None:
+    for i, row in enumerate(history):
+        if not (isinstance(row, dict) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in row.values())):
+            return f"field 'history' entry {i} is not a map of numbers"
+    return None
+
+
+def _shown(value: Any) -> str:
+    """A value for a message: its type and a short form (a crafted one may be huge)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"

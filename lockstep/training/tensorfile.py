@@ -18,6 +18,7 @@ import io
 import json
 import math
 import os
+import stat
 import struct
 import sys
 from collections.abc import Mapping
@@ -39,6 +40,45 @@ CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 class FormatError(ValueError):
     """A tensor file that is not what it claims to be; the message names the file."""
+
+
+def open_regular(path: Path, max_bytes: int | None = None) -> io.BufferedReader:
+    """Open `path` for reading only if it is a regular file of at most `max_bytes`.
+
+    A checkpoint's files come from whoever can write its folder: a named pipe never ends
+    (a read waits for ever), a sparse file can claim a terabyte at no cost, and a link can
+    point anywhere. So the last component is never followed (O_NOFOLLOW), the open cannot
+    wait for a writer (O_NONBLOCK), and the type and size are checked on the descriptor
+    itself, so the file cannot be swapped between the check and the read. Raises
+    FormatError naming the file and saying what it is; nothing of its content is read."""
+    if "\0" in str(path):
+        raise FormatError(f"{str(path)!r}: a file name with a NUL byte")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as error:
+        if os.path.islink(path):
+            raise FormatError(f"{path}: is a symbolic link; lockstep reads only regular "
+                              "files inside the checkpoint folder") from None
+        raise FormatError(f"{path}: cannot be opened ({error.strerror})") from None
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = f"is {_kind(info.st_mode)}, not a regular file"
+    elif max_bytes is not None and info.st_size > max_bytes:
+        problem = f"holds {info.st_size} bytes, more than the {max_bytes} it may"
+    if problem is not None:
+        os.close(fd)
+        raise FormatError(f"{path}: {problem}")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISDIR, "a folder"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symbolic link"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
 
 
 @dataclass(frozen=True)
@@ -103,16 +143,21 @@ def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def read_header(path: Path) -> Header:
-    """The validated header of `path`. Raises FormatError naming the file and the problem."""
+def read_header(path: Path, max_bytes: int | None = None) -> Header:
+    """The validated header of `path`, a regular file of at most `max_bytes`. Raises
+    FormatError naming the file and the problem."""
+    with open_regular(path, max_bytes) as f:
+        return _parse_header(path, f)
+
+
+def _parse_header(path: Path, f: io.BufferedReader) -> Header:
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
-            if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
-                raise FormatError(f"declares a header of {length} bytes in a file of {size}")
-            header = json.loads(f.read(length).decode("utf-8"), object_pairs_hook=no_duplicates)
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else -1
+        if not 0 < length <= min(MAX_HEADER_BYTES, size - 8):
+            raise FormatError(f"declares a header of {length} bytes in a file of {size}")
+        header = json.loads(f.read(length).decode("utf-8"), object_pairs_hook=no_duplicates)
         if not isinstance(header, dict):
             raise FormatError("its header is not a JSON object")
         metadata = header.pop("__metadata__", {})

@@ -40,7 +40,7 @@ from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
 from lockstep.training.resume import Checkpoints, RunState
-from lockstep.training.runlog import RunLog, plot_run
+from lockstep.training.runlog import RunLog, plot_run, read_metrics
 from lockstep.training.sampler import ShardedSampler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -99,6 +99,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
         self.state = RunState()
+        self.finished_before = False  # fit() found the run's checkpoint at its end
         self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed)  # type: ignore[arg-type]
         self.checkpoints = Checkpoints(
             self.config.checkpoint, self.run_dir / "checkpoints", self.world, self.model,
@@ -121,8 +122,13 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
 
     def fit(self) -> dict[str, Any]:
-        """Train to the end (resuming if configured), evaluate, and return a summary."""
+        """Train to the end (resuming if configured), evaluate, and return a summary. A run
+        whose checkpoint is already at the end is not trained, evaluated or plotted again:
+        its summary is returned as that run recorded it."""
         self.state = self.checkpoints.restore(self.total_steps)
+        self.finished_before = self.state.global_step >= self.total_steps
+        if self.finished_before:
+            return self._summary(0.0, self._recorded_metrics())
         runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
                         self.state.global_step, self.config.progress, self._config_record(),
                         self.config.trackers)
@@ -141,11 +147,26 @@ class Trainer:
             runlog.close()
         if self.world.is_main:
             plot_run(self.run_dir)
-        return {"steps": self.state.global_step,
-                "samples_per_s": samples / seconds if samples else 0.0,
+        return self._summary(samples / seconds if samples else 0.0, metrics)
+
+    def _summary(self, speed: float, metrics: dict[str, float]) -> dict[str, Any]:
+        return {"steps": self.state.global_step, "samples_per_s": speed,
                 "test_loss": metrics.get("loss"), "test_accuracy": metrics.get("accuracy"),
                 "fingerprint": checkpoint.fingerprint(self.model.full_state_dict()),
-                "world_size": self.world.world_size, "run_dir": str(self.run_dir)}
+                "world_size": self.world.world_size, "run_dir": str(self.run_dir),
+                "already_finished": self.finished_before}
+
+    def _recorded_metrics(self) -> dict[str, float]:
+        """The evaluation a finished run recorded at its last step (metrics.jsonl, read by
+        rank 0 for all); evaluated again, unrecorded, only where none was recorded."""
+        found = []
+        if self.world.is_main:
+            with contextlib.suppress(OSError, ValueError):  # a damaged log: evaluate instead
+                found = [r for r in read_metrics(self.run_dir) if isinstance(r, dict)
+                         and r.get("kind") == "eval" and r.get("step") == self.state.global_step]
+        recorded = comm.broadcast_object(found[-1] if found else None, 0,
+                                         "trainer: the finished run's last evaluation")
+        return dict(recorded) if recorded else self.evaluate()
 
     def _train_epoch(self, runlog: RunLog) -> int:
         """Run the rest of the current epoch; returns global samples trained."""
@@ -285,7 +306,15 @@ class Trainer:
     def export(self, path: str | Path) -> Path | None:
         """Write the model's weights alone (no optimizer) for inference: a plain state dict
         (.pt) or safetensors (.safetensors). Call on every rank (ZeRO-3 gathers); rank 0
-        writes and gets the path, the others None. Load with `lockstep.load_weights`."""
+        writes and gets the path, the others None. Load with `lockstep.load_weights`.
+        After a `fit()` that found the run already finished, a file already at `path` is
+        left as it is (it holds the same weights): remove it to write it again."""
+        if self.finished_before and comm.broadcast_object(  # one answer: ZeRO-3 gathers
+                Path(path).is_file(), 0, "trainer: is the finished run's export there"):
+            if self.world.is_main:
+                print(f"{path} exists and this run had already finished: left as it is "
+                      "(remove it to export again)", flush=True)
+            return Path(path) if self.world.is_main else None
         return export.export_weights(self.model, path)
 
 
