@@ -334,6 +334,10 @@ class _ReplicaJoinHook:
     def shadow_step(self, sync: bool, source: int) -> None:
         self.model.reducer.prepare_forward(sync)
         self.model.sync_buffers(sync)
+        # A step further where a real forward counts one (_before_training_forward): the
+        # backward's collectives then carry the same step number on every rank, so the
+        # watchdog sees no desync, and shadowing reads as progress, not as a rank behind.
+        reporter.advance()
         if sync:
             self.model.reducer.shadow_backward()
 
