@@ -161,24 +161,25 @@ class DiLoCo(_Replica):
                  group: comm.Group = None) -> None:
         super().__init__(module, every, group)
         self.bf16 = bf16
-        # theta: the shared starting point of the round, in fp32, held by the outer optimizer.
-        self.theta = [p.detach().clone().float().requires_grad_(True)
-                      for p in module.parameters()]
+        # theta: the shared starting point of the round, held by the outer optimizer in at
+        # least fp32 (a float64 model keeps its precision: fp32 would round its weights).
+        self.theta = [p.detach().clone().to(torch.promote_types(p.dtype, torch.float32))
+                      .requires_grad_(True) for p in module.parameters()]
         self.outer = torch.optim.SGD(self.theta, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0)
 
     def synchronise(self) -> None:
         params = list(self.module.parameters())
-        pseudo = [t.detach() - p.detach().float() for t, p in zip(self.theta, params,
-                                                                    strict=True)]
+        pseudo = [t.detach() - p.detach().to(t.dtype) for t, p in zip(self.theta, params,
+                                                                        strict=True)]
         flat = torch.cat([g.reshape(-1) for g in pseudo])
         wire = flat.to(torch.bfloat16) if self.bf16 else flat
         comm.all_reduce(wire, "DiLoCo pseudo-gradient all-reduce", self.group)
         self._round_bytes += wire.numel() * wire.element_size()
-        averaged = wire.float().div_(comm.size_of(self.group))
+        averaged = wire.to(flat.dtype).div_(comm.size_of(self.group))
         for t, piece in zip(self.theta, averaged.split([t.numel() for t in self.theta]),
                             strict=True):
-            t.grad = piece.view_as(t)
+            t.grad = piece.view_as(t).to(t.dtype)
         self.outer.step()
         with torch.no_grad():
             for t, p in zip(self.theta, params, strict=True):
