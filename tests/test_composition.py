@@ -63,24 +63,38 @@ def is_local(mode: str) -> bool:
     return mode in ("localsgd", "diloco")
 
 
+def has(feature: str, name: str) -> bool:
+    """Whether a cell's `feature` -- one, or several joined by "+" -- includes `name`."""
+    return name in feature.split("+")
+
+
+def compressor_of(feature: str) -> str | None:
+    return next((f for f in feature.split("+") if f in COMPRESSORS), None)
+
+
+def precision_of(feature: str) -> str:
+    return next((f.split("-")[1] for f in feature.split("+") if f.startswith("precision")),
+                "fp32")
+
+
 def expectation(mode: str, feature: str) -> tuple[str, str]:
     """What a cell must do: ("exact" | "approximate" | "refused", where it is refused)."""
-    if feature in COMPRESSORS:
-        if mode not in ALGORITHMS or mode == "shm" or \
-                (mode == "hierarchical" and feature != "wire-bf16"):
-            return "refused", "config"
+    compressor = compressor_of(feature)
+    if compressor is not None and (mode not in ALGORITHMS or mode == "shm" or
+                                   (mode == "hierarchical" and compressor != "wire-bf16")):
+        return "refused", "config"
+    if has(feature, "join") and (mode not in ALGORITHMS or has(feature, "syncbn")):
+        return "refused", "wrap"  # ZeRO's, the rounds' and SyncBN's collectives: no shadow
+    if compressor is not None or precision_of(feature) != "fp32":
         return "approximate", ""
-    if feature.startswith("precision"):
-        return "approximate", ""
-    if feature == "join" and mode not in ALGORITHMS:
-        return "refused", "wrap"  # ZeRO's and the rounds' collectives have no shadow
-    if feature == "syncbn" and is_local(mode):
+    if has(feature, "syncbn") and is_local(mode):
         return "approximate", ""  # statistics shared every step, weights every round
     return "exact", ""
 
 
 def build_config(mode: str, feature: str) -> Any:
-    extra = {"compress": COMPRESSORS[feature]()} if feature in COMPRESSORS else {}
+    compressor = compressor_of(feature)
+    extra = {"compress": COMPRESSORS[compressor]()} if compressor is not None else {}
     if mode in ALGORITHMS:
         return lockstep.SyncConfig(algorithm=mode, **extra)
     if mode.startswith("zero"):
@@ -97,9 +111,9 @@ def build_config(mode: str, feature: str) -> Any:
 
 def tiny(feature: str) -> nn.Module:
     torch.manual_seed(0)
-    norm = [nn.BatchNorm1d(16)] if feature == "syncbn" else []
+    norm = [nn.BatchNorm1d(16)] if has(feature, "syncbn") else []
     net = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 2))
-    return net.to(torch.float32 if feature.startswith("precision") else torch.float64)
+    return net.to(torch.float64 if precision_of(feature) == "fp32" else torch.float32)
 
 
 def data(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +126,7 @@ def data(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
 
 
 def steps_of(rank: int, feature: str) -> int:
-    return STEPS - 1 if feature == "join" and rank == 1 else STEPS  # uneven under join
+    return STEPS - 1 if has(feature, "join") and rank == 1 else STEPS  # uneven under join
 
 
 def make_sgd(params: Any) -> torch.optim.Optimizer:
@@ -126,14 +140,16 @@ def reference(mode: str, feature: str, world_size: int) -> list[torch.Tensor]:
     nets = [tiny(feature) for _ in range(count)]
     opts = [make_sgd(net.parameters()) for net in nets]
     dtype = next(nets[0].parameters()).dtype
+    micro = 2 if has(feature, "accumulate") else 1
     for step in range(STEPS):
         active = [r for r in range(world_size) if step < steps_of(r, feature)]
         for k, (net, opt) in enumerate(zip(nets, opts, strict=True)):
             ranks = [k] if is_local(mode) else active
-            x = torch.cat([data(step, r, dtype)[0] for r in ranks])
-            y = torch.cat([data(step, r, dtype)[1] for r in ranks])
-            nn.functional.mse_loss(net(x), y).backward()
-            if feature == "clip":
+            for m in range(micro):  # each micro-batch spans the ranks (BatchNorm sees it so)
+                x = torch.cat([data(step, r, dtype)[0].chunk(micro)[m] for r in ranks])
+                y = torch.cat([data(step, r, dtype)[1].chunk(micro)[m] for r in ranks])
+                (nn.functional.mse_loss(net(x), y) / micro).backward()
+            if has(feature, "clip"):
                 nn.utils.clip_grad_norm_(net.parameters(), CLIP)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -172,22 +188,23 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
     except ValueError as error:
         return {"refused": "config", "why": f"{type(error).__name__}: {error}"}
     net = tiny(feature)
-    if feature == "syncbn":
+    if has(feature, "syncbn"):
         net = lockstep.convert_sync_batchnorm(net)
-    if feature == "compile":  # the model compiled, then wrapped
+    if has(feature, "compile"):  # the model compiled, then wrapped
         net = torch.compile(net, backend=BACKEND)  # type: ignore[assignment]
     with contextlib.ExitStack() as stack:
         try:
             model = config.build(net)
             stack.callback(model.close)
             optimizer = model.make_optimizer(make_sgd)
-            if feature == "join":
+            if has(feature, "join"):
                 stack.enter_context(model.join([optimizer],
                                                 divide_by_initial_world_size=False))
         except (ValueError, RuntimeError) as error:
             return {"refused": "wrap", "why": f"{type(error).__name__}: {error}"}
         # compile-outer: the wrapper compiled (its forward's collectives stay out of the graph)
-        forward = torch.compile(model, backend=BACKEND) if feature == "compile-outer" else model
+        outer = has(feature, "compile-outer")
+        forward = torch.compile(model, backend=BACKEND) if outer else model
         train(model, forward, optimizer, feature, world.rank, mode)
         stack.pop_all().close()  # leave join (its shadow steps) before reading the weights
         model.finish()
@@ -207,10 +224,10 @@ def train(model: Any, forward: Any, optimizer: Any, feature: str, rank: int, mod
           ) -> None:
     """The Trainer's step (trainer.py), feature by feature; `forward` is the model, or the
     model compiled."""
-    precision = feature.split("-")[1] if feature.startswith("precision") else "fp32"
+    precision = precision_of(feature)
     scaler = lockstep.LossScaler(group=model.group) if precision == "fp16" else None
-    drift = lockstep.DriftCheck(model.module, every=1) if feature == "driftcheck" else None
-    micro = 2 if feature == "accumulate" else 1
+    drift = lockstep.DriftCheck(model.module, every=1) if has(feature, "driftcheck") else None
+    micro = 2 if has(feature, "accumulate") else 1
     dtype = torch.float32 if precision != "fp32" else torch.float64
     for step in range(steps_of(rank, feature)):
         x, y = data(step, rank, dtype)
@@ -221,7 +238,7 @@ def train(model: Any, forward: Any, optimizer: Any, feature: str, rank: int, mod
                 (scaler.scale(loss) if scaler else loss).backward()
         if scaler is not None:
             scaler.unscale_(optimizer)
-        if feature == "clip":
+        if has(feature, "clip"):
             if hasattr(optimizer, "clip_grad_norm_"):
                 optimizer.clip_grad_norm_(CLIP)
             else:
