@@ -28,6 +28,7 @@ from lockstep.testing import World, WorldError
 from tests.test_composition import (
     FEATURES,
     MODES,
+    PENDING,
     build_config,
     expectation,
     run_cell,
@@ -45,7 +46,18 @@ def pairs(features: list[str]) -> list[str]:
 
 def judge(world: World, mode: str, feature: str) -> tuple[str, str]:
     """(verdict, detail) for one cell: exact, approximate, refused-config, refused-wrap, or
-    BROKEN."""
+    BROKEN; a cell holding a pending single-feature cell of the CI matrix (a finding fixed
+    on another branch) says so, and is not run if that one would crash the world."""
+    pending = [PENDING[(mode, f)].mark for f in feature.split("+") if (mode, f) in PENDING]
+    if pending and not pending[0].kwargs.get("run", True):
+        return "pending", f"not run: {pending[0].kwargs['reason']}"
+    verdict, detail = _judge(world, mode, feature)
+    if pending and verdict == "BROKEN":
+        return "pending", f"{pending[0].kwargs['reason']}: {detail}"
+    return verdict, detail
+
+
+def _judge(world: World, mode: str, feature: str) -> tuple[str, str]:
     outcome, where = expectation(mode, feature)
     if where == "config":
         try:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep.comm.ledger import HISTORY, ledger, mismatches
 from lockstep.replication.choices import ALGORITHMS
 from lockstep.replication.precision import autocast
 from lockstep.testing import World
@@ -183,6 +184,7 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
     digest and its loss before and after."""
     world = lockstep.init()
     torch._dynamo.reset()
+    numbered = ledger.counts.get(ledger.world_key, 0)  # the world's collectives so far
     try:
         config = build_config(mode, feature)
     except ValueError as error:
@@ -215,7 +217,8 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
     gap = max(float((a - b).abs().max() / (b.abs().max() + 1e-12))
               for a, b in zip(values, expected, strict=True))
     digest = hashlib.sha256(b"".join(v.double().numpy().tobytes() for v in values))
-    return {"gap": gap, "digest": digest.hexdigest()[:16],
+    issued = [e for e in ledger.recent(ledger.world_key, HISTORY) if e[0] > numbered]
+    return {"gap": gap, "digest": digest.hexdigest()[:16], "issued": issued,
             "before": eval_loss(feature, list(tiny(feature).state_dict().values())),
             "after": eval_loss(feature, values)}
 
@@ -290,6 +293,9 @@ def test_every_combination_works_or_is_refused_up_front(cells_world: World, mode
         return
     assert all("refused" not in r for r in results), results
     assert len({r["digest"] for r in results}) == 1, "replicas differ"
+    # Every rank issued the same collectives at the same steps: no desync, real or seen
+    # by the watchdog (whose ledger this is), e.g. in a joined rank's shadow steps.
+    assert results[0]["issued"] and not mismatches(results[0]["issued"], results[1]["issued"])
     if outcome == "exact":
         assert results[0]["gap"] < 1e-9, results[0]
     else:
