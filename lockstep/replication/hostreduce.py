@@ -196,7 +196,7 @@ class Hierarchical(_OnHost, Threaded):
 
     def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
         full = super().sent_bytes(buckets)
-        if self.wire_dtype is None or not buckets:
-            return full
+        if self.wire_dtype is None or not buckets or self.host.topology.hosts == 1:
+            return full  # on one host there is no cross-host leg to narrow
         wide = buckets[0].flat.element_size()
         return full * torch.empty(0, dtype=self.wire_dtype).element_size() // wide

@@ -64,7 +64,8 @@ class DataParallel(nn.Module):
             the network between them). See algorithms.py.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
             (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio), over the
-            algorithm. See compress.py; `comm_stats()` reports the bytes.
+            algorithm ("hierarchical": "bf16"/"fp16" on its cross-host leg only; "shm":
+            none). See compress.py; `comm_stats()` reports the bytes.
         reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
             AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
             See reduction.py.
