@@ -79,7 +79,8 @@ def test_configs_refuse_compress_with_the_reason() -> None:
 
     cases = [(lockstep.ShardConfig, "SyncConfig\\(compress="),
              (lockstep.LocalSGDConfig, "pseudo_grad_bf16=True"),
-             (lockstep.DiLoCoConfig, "pseudo_grad_bf16=True")]
+             (lockstep.DiLoCoConfig, "pseudo_grad_bf16=True"),
+             (lockstep.AsyncConfig, "compression is for SyncConfig")]
     for config, instead in cases:
         with pytest.raises(ValueError, match=f"{config.__name__} takes no compress=: .*{instead}"):
             config(compress="bf16")  # type: ignore[call-arg]
