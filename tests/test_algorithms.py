@@ -13,6 +13,7 @@ from lockstep.comm.topology import check_layout, peers_across_hosts, ranks_on_ho
 from lockstep.replication.choices import ALGORITHMS, make_algorithm
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
+from tests.test_precision_compression import check_compression
 
 SIZES = (1, 2, 5, 1000, 65_537)  # odd sizes: chunks and slices of unequal length
 
@@ -126,6 +127,44 @@ def check_shm_across_hosts_is_refused() -> str:
 def test_shm_across_hosts_is_a_clear_error(two_hosts: World) -> None:
     for rank, message in enumerate(two_hosts.run(check_shm_across_hosts_is_refused)):
         assert f"rank {rank}:" in message and "algorithm='hierarchical'" in message
+
+
+def test_hierarchical_compresses_the_cross_host_leg(two_hosts: World) -> None:
+    """The README's SyncConfig(algorithm="hierarchical", compress="bf16"): summed exactly
+    inside each host, in bf16 between them -- so within bf16's precision of the exact
+    average, not equal to it, at half the bytes (issue 28, finding 12: it was refused in
+    every worker)."""
+    for compress, precision in (("bf16", 2 ** -7), ("fp16", 2 ** -10)):
+        for worst, best, ratio in two_hosts.run(check_compression, compress, "hierarchical"):
+            assert best > 0 and worst < precision and ratio == 2.0, (compress, worst, best)
+
+
+def test_combinations_that_cannot_work_are_refused_when_the_config_is_built() -> None:
+    """Before any worker starts: SyncConfig validates itself as it is made."""
+    assert lockstep.SyncConfig(algorithm="hierarchical", compress="bf16").compress == "bf16"
+    with pytest.raises(ValueError, match=r"shm sums through memory.*algorithm='hierarchical'"):
+        lockstep.SyncConfig(algorithm="shm", compress="bf16")
+    for compressor in (lockstep.PowerSGD(), lockstep.TopK()):
+        with pytest.raises(ValueError, match=r"need the whole bucket.*compress='bf16' or 'fp16'"):
+            lockstep.SyncConfig(algorithm="hierarchical", compress=compressor)
+    with pytest.raises(ValueError, match="one of native, ring, tree, shm, hierarchical"):
+        lockstep.SyncConfig(algorithm="butterfly")
+    with pytest.raises(ValueError, match="compress must be None, 'bf16'"):
+        lockstep.SyncConfig(compress=3)
+
+
+def check_refused_at_wrap_time() -> str:
+    """The same refusal from DataParallel, on every rank, before any group is made."""
+    lockstep.init()
+    try:
+        lockstep.DataParallel(make_model("mlp"), algorithm="shm", compress="fp16")
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def test_refused_combinations_are_refused_at_wrap_time_too(world2: World) -> None:
+    assert all("shm sums through memory" in m for m in world2.run(check_refused_at_wrap_time))
 
 
 def check_group_timeouts() -> tuple[float, list[float]]:

@@ -252,6 +252,30 @@ def check_join(batches_per_rank: list[int]) -> tuple[float, str]:
     return max_diff(net, reference), digest(net)
 
 
+def check_join_ledger(batches_per_rank: list[int]) -> list[tuple[int, int, str]]:
+    """The collectives this rank numbered during an uneven join: (number, step, label)."""
+    from lockstep.comm.ledger import HISTORY, ledger
+
+    lockstep.init()
+    assert ledger.enabled, "the stall watchdog (and its ledger) is on in test worlds"
+    before = ledger.counts.get(ledger.world_key, 0)
+    check_join(batches_per_rank)
+    return [e for e in ledger.recent(ledger.world_key, HISTORY) if e[0] > before]
+
+
+def test_join_shadow_steps_are_no_desync(world: World) -> None:
+    """A rank out of data issues the same collectives at the same step numbers as the ranks
+    still training, so the watchdog sees no desync (issue 28, finding 21: it warned "expect
+    a hang or wrong results" while the numbers were exact)."""
+    from lockstep.comm.ledger import mismatches
+
+    counts = [5, 3] if world.world_size == 2 else [5, 3, 0]
+    ledgers = world.run(check_join_ledger, counts)
+    for rank, theirs in enumerate(ledgers[1:], start=1):
+        assert len(theirs) == len(ledgers[0]) > 0
+        assert not mismatches(ledgers[0], theirs), (rank, ledgers[0][-8:], theirs[-8:])
+
+
 def test_join_handles_uneven_inputs(world: World) -> None:
     counts = [5, 3] if world.world_size == 2 else [5, 3, 0]
     results = world.run(check_join, counts)

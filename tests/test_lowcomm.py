@@ -70,3 +70,45 @@ def test_diloco_outer_state_resumes_exactly(world2: World, tmp_path: Path) -> No
     world2.run(run, part, diloco, max_steps=15, checkpoint_every_steps=5)
     resumed = world2.run(run, part, diloco, resume="auto")
     assert resumed[0][1] == whole[0][1]  # bitwise: theta and outer momentum restored
+
+
+def test_configs_refuse_compress_with_the_reason() -> None:
+    """Not Python's bare "unexpected keyword argument": why, and what to use instead
+    (issue 28, finding 21)."""
+    import pytest
+
+    cases = [(lockstep.ShardConfig, "SyncConfig\\(compress="),
+             (lockstep.LocalSGDConfig, "pseudo_grad_bf16=True"),
+             (lockstep.DiLoCoConfig, "pseudo_grad_bf16=True"),
+             (lockstep.AsyncConfig, "compression is for SyncConfig")]
+    for config, instead in cases:
+        with pytest.raises(ValueError, match=f"{config.__name__} takes no compress=: .*{instead}"):
+            config(compress="bf16")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="ShardConfig takes no algorithm=: ZeRO moves"):
+        lockstep.ShardConfig(stage=2, algorithm="ring")  # type: ignore[call-arg]
+    assert lockstep.DiLoCoConfig(sync_every=3).sync_every == 3  # everything else as before
+
+
+def check_join_on_rounds() -> list[str]:
+    """join() on LocalSGD and DiLoCo: a reason, not an AttributeError; enable=False is a
+    no-op, as DDP's."""
+    lockstep.init()
+    messages = []
+    for mode in (lockstep.LocalSGD, lockstep.DiLoCo):
+        model = mode(make_model("mlp"), every=2)
+        with model.join(enable=False):
+            pass
+        try:
+            with model.join():
+                pass
+        except lockstep.JoinError as error:
+            messages.append(str(error))
+    return messages
+
+
+def test_join_on_low_communication_modes_is_refused_with_the_reason(world2: World) -> None:
+    for rank, messages in enumerate(world2.run(check_join_on_rounds)):
+        assert len(messages) == 2
+        for message in messages:
+            assert message.startswith(f"rank {rank}: join() is for gradients averaged every "
+                                      "step") and "same number of batches" in message

@@ -62,12 +62,12 @@ def test_bf16_and_fp16_train_as_well_as_fp32(world2: World, tmp_path: Path) -> N
         assert abs(accuracy[precision] - accuracy["fp32"]) <= 0.01, accuracy
 
 
-def check_compression(compress: object) -> tuple[float, float, float]:
+def check_compression(compress: object, algorithm: str = "native") -> tuple[float, float, float]:
     """Relative gap between compressed and exact averages, over a few steps, and the
     bytes ratio; gradients accumulated under no_sync first, to check they compose."""
     world = lockstep.init()
     net, ref = make_model("mlp"), make_model("mlp")
-    model = lockstep.DataParallel(net, compress=compress)
+    model = lockstep.DataParallel(net, compress=compress, algorithm=algorithm)
     exact = lockstep.DataParallel(ref)
     gaps = []
     for step in range(4):

@@ -39,6 +39,7 @@ from torch import nn
 
 from lockstep.logs import get_logger
 from lockstep.optim import set_lr
+from lockstep.replication.choices import refusing
 
 log = get_logger(__name__)
 _POLL_S = 0.0005
@@ -269,6 +270,9 @@ class Worker:
                                f"{error}") from error
 
 
+@refusing(compress="the parameter server exchanges whole fp32 gradients and parameters "
+                   "with each worker; compression is for SyncConfig's all-reduce (or send "
+                   "less often: LocalSGDConfig, DiLoCoConfig)")
 @dataclass
 class AsyncConfig:
     """Asynchronous training (lockstep.AsyncTrainer): rank 0 serves the parameters, the

@@ -31,7 +31,9 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm.world import current
+from lockstep.replication.choices import refusing
 from lockstep.replication.consistency import verify_replicas_match
+from lockstep.replication.join import JoinError
 
 
 class _Replica(nn.Module):
@@ -56,6 +58,19 @@ class _Replica(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         yield  # gradients are never reduced per step here
+
+    def join(self, optimizers: Any = (), sync_final_model: bool = True, *,
+             divide_by_initial_world_size: bool = False,
+             enable: bool = True) -> contextlib.AbstractContextManager[None]:
+        """Refused (a no-op with enable=False, as DDP's): a rank that ran out of data
+        would have to stand in for the parameter averages of rounds it never trained."""
+        if not enable:
+            return contextlib.nullcontext()
+        raise JoinError(f"rank {comm.rank_of(self.group)}: join() is for gradients averaged "
+                        f"every step (DataParallel); {type(self).__name__} averages parameters "
+                        "every few steps, and a rank out of data cannot stand in for a round "
+                        "it never trained. Give every rank the same number of batches "
+                        "(lockstep.ShardedSampler with drop_last=True, as the Trainer does)")
 
     def after_step(self) -> None:
         self.local_steps += 1
@@ -147,24 +162,25 @@ class DiLoCo(_Replica):
                  group: comm.Group = None) -> None:
         super().__init__(module, every, group)
         self.bf16 = bf16
-        # theta: the shared starting point of the round, in fp32, held by the outer optimizer.
-        self.theta = [p.detach().clone().float().requires_grad_(True)
-                      for p in module.parameters()]
+        # theta: the shared starting point of the round, held by the outer optimizer in at
+        # least fp32 (a float64 model keeps its precision: fp32 would round its weights).
+        self.theta = [p.detach().clone().to(torch.promote_types(p.dtype, torch.float32))
+                      .requires_grad_(True) for p in module.parameters()]
         self.outer = torch.optim.SGD(self.theta, lr=outer_lr, momentum=outer_momentum,
                                      nesterov=nesterov and outer_momentum > 0)
 
     def synchronise(self) -> None:
         params = list(self.module.parameters())
-        pseudo = [t.detach() - p.detach().float() for t, p in zip(self.theta, params,
-                                                                    strict=True)]
+        pseudo = [t.detach() - p.detach().to(t.dtype) for t, p in zip(self.theta, params,
+                                                                        strict=True)]
         flat = torch.cat([g.reshape(-1) for g in pseudo])
         wire = flat.to(torch.bfloat16) if self.bf16 else flat
         comm.all_reduce(wire, "DiLoCo pseudo-gradient all-reduce", self.group)
         self._round_bytes += wire.numel() * wire.element_size()
-        averaged = wire.float().div_(comm.size_of(self.group))
+        averaged = wire.to(flat.dtype).div_(comm.size_of(self.group))
         for t, piece in zip(self.theta, averaged.split([t.numel() for t in self.theta]),
                             strict=True):
-            t.grad = piece.view_as(t)
+            t.grad = piece.view_as(t).to(t.dtype)
         self.outer.step()
         with torch.no_grad():
             for t, p in zip(self.theta, params, strict=True):
@@ -185,6 +201,10 @@ class DiLoCo(_Replica):
         return tensors
 
 
+@refusing(compress="local SGD averages the parameters themselves every sync_every steps, and "
+                   "16-bit parameters would round the weights; send fewer bytes by a larger "
+                   "sync_every, or use DiLoCoConfig(pseudo_grad_bf16=True), which sends its "
+                   "pseudo-gradients in bf16")
 @dataclass
 class LocalSGDConfig:
     """Local SGD as a training mode: parameters averaged every `sync_every` steps."""
@@ -201,6 +221,9 @@ class LocalSGDConfig:
         return LocalSGD(module, self.sync_every)
 
 
+@refusing(compress="DiLoCo sends one pseudo-gradient per round: pseudo_grad_bf16=True sends "
+                   "it in bf16 (half the bytes); PowerSGD and TopK compress SyncConfig's "
+                   "per-step gradients")
 @dataclass
 class DiLoCoConfig:
     """DiLoCo as a training mode: an outer Nesterov step every `sync_every` inner steps."""

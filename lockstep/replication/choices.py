@@ -1,24 +1,54 @@
-"""The reductions users choose by name: an algorithm, maybe wrapped by a compressor."""
+"""The reductions users choose by name: an algorithm, maybe wrapped by a compressor -- and
+which of those choices combine (`check_combination`, asked by SyncConfig.validate when
+the config is built and again when a model is wrapped)."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from lockstep import comm
 from lockstep.comm.topology import Topology, check_layout
 from lockstep.comm.world import current
 from lockstep.replication.algorithms import AllReduce, Native, Ring, Tree
-from lockstep.replication.compress import make_compression
+from lockstep.replication.compress import Cast, Compression, make_compression
 from lockstep.replication.hostreduce import Hierarchical, SharedMemory
 from lockstep.replication.reduction import Reduction
 
 ALGORITHMS = ("native", "ring", "tree", "shm", "hierarchical")
 
 
-def make_algorithm(name: str, group: comm.Group, local_world_size: int) -> AllReduce:
-    """Build the named algorithm. Collective: creates process groups on every rank."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}")
+def check_combination(algorithm: str, compress: Any) -> Compression | None:
+    """Refuse, with the reason, an algorithm and a compressor that cannot work together;
+    return the compressor `compress` names. Pure: no process group is needed, so a config
+    is checked when it is built, before any worker starts."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+    compression = make_compression(compress)
+    if compression is None:
+        return None
+    if algorithm == "shm":
+        raise ValueError(
+            f"algorithm='shm' with compress={compress!r}: shm sums through memory the host's "
+            "ranks share, so nothing crosses a network for compression to shrink (it would "
+            "only round the gradients). Use shm without compress=, or "
+            "algorithm='hierarchical' with compress='bf16' or 'fp16' on several hosts: it "
+            "compresses the cross-host leg only")
+    if algorithm == "hierarchical" and not isinstance(compression, Cast):
+        raise ValueError(
+            f"algorithm='hierarchical' with compress={compress!r}: hierarchical sends each "
+            "bucket between hosts as one slice per local rank, and PowerSGD (which factors "
+            "whole matrices) and TopK (which ranks a whole bucket's entries) need the whole "
+            "bucket. Use compress='bf16' or 'fp16' with hierarchical (the cross-host leg "
+            "travels in 16 bits), or PowerSGD/TopK over algorithm='native', 'ring' or 'tree'")
+    return compression
+
+
+def make_algorithm(name: str, group: comm.Group, local_world_size: int,
+                   wire: Cast | None = None) -> AllReduce:
+    """Build the named algorithm (hierarchical with `wire`: its cross-host leg cast to
+    16 bits). Collective: creates process groups on every rank."""
+    check_combination(name, wire)
     if name == "native":
         return Native(group)
     if name in ("ring", "tree"):
@@ -34,17 +64,21 @@ def make_algorithm(name: str, group: comm.Group, local_world_size: int) -> AllRe
                          "network between them)")
     topology = Topology.build(comm.rank_of(), comm.size_of(), local_world_size)
     timeout_s = current().timeout.total_seconds()
-    return SharedMemory(topology, timeout_s) if name == "shm" else \
-        Hierarchical(topology, timeout_s)
+    if name == "shm":
+        return SharedMemory(topology, timeout_s)
+    return Hierarchical(topology, timeout_s, wire.dtype if wire is not None else None)
 
 
 def make_reduction(algorithm: str, compress: Any, group: comm.Group,
                    local_world_size: int) -> Reduction:
     """The named algorithm, wrapped by the compressor if one is asked for. Collective:
-    creates process groups on every rank. Combinations that cannot work are refused here
-    (a compressor over an algorithm that sums only its own buffers)."""
+    creates process groups on every rank. Combinations that cannot work are refused
+    before any group is made (`check_combination`)."""
+    compression = check_combination(algorithm, compress)
+    if algorithm == "hierarchical":  # compression belongs to its cross-host leg alone
+        wire = compression if isinstance(compression, Cast) else None
+        return make_algorithm(algorithm, group, local_world_size, wire=wire)
     reduction = make_algorithm(algorithm, group, local_world_size)
-    compression = make_compression(compress)
     if compression is None:
         return reduction
     try:
@@ -53,3 +87,25 @@ def make_reduction(algorithm: str, compress: Any, group: comm.Group,
         reduction.close()
         raise
     return compression
+
+
+Config = TypeVar("Config", bound=type)
+
+
+def refusing(**reasons: str) -> Callable[[Config], Config]:
+    """A config class decorator: a keyword that other modes take but this one cannot (a
+    ShardConfig's compress=) is refused with the reason and what to use instead, rather
+    than Python's bare "unexpected keyword argument"."""
+    def decorate(cls: Config) -> Config:
+        init = vars(cls)["__init__"]  # the dataclass's own
+
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            for name, reason in reasons.items():
+                if name in kwargs:
+                    raise ValueError(f"{cls.__name__} takes no {name}=: {reason}")
+            init(self, *args, **kwargs)
+
+        __init__.__doc__, __init__.__wrapped__ = init.__doc__, init  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[misc]
+        return cls
+    return decorate

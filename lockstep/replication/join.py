@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from lockstep import comm
-from lockstep.comm.diagnostics import reporter
 
 
 class JoinError(RuntimeError):
@@ -32,7 +31,8 @@ class JoinHook(Protocol):
 
     def shadow_step(self, sync: bool, source: int) -> None:
         """Issue the collectives of one forward (and, if `sync`, its backward) with
-        nothing to contribute; `source` is where buffers come from."""
+        nothing to contribute, counting the step where the forward would (the watchdog
+        compares step numbers); `source` is where buffers come from."""
 
     def sync_final(self, source: int) -> None:
         """Every rank is out: make every replica rank `source`'s."""
@@ -81,7 +81,6 @@ class Join:
             active_ranks, syncs = self.agree_on_active(active=False)
             if not active_ranks:
                 break
-            self.hook.shadow_step(syncs, self.source_rank())
-            reporter.advance()  # shadowing is progress: do not look "behind" to peers
+            self.hook.shadow_step(syncs, self.source_rank())  # counts the step, as a forward
         self.hook.set_divisor(self.world_size)
         self.hook.sync_final(self.source_rank())

@@ -66,7 +66,8 @@ class DataParallel(nn.Module):
             the network between them). See algorithms.py.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
             (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio), over the
-            algorithm. See compress.py; `comm_stats()` reports the bytes.
+            algorithm ("hierarchical": "bf16"/"fp16" on its cross-host leg only; "shm":
+            none). See compress.py; `comm_stats()` reports the bytes.
         reduction: your own way for a bucket to travel, a lockstep.Reduction (or an
             AllReduce: say how to sum a flat tensor), instead of algorithm and compress.
             See reduction.py. (DDP's `register_comm_hook(state, hook)` works too, and
@@ -366,6 +367,10 @@ class _ReplicaJoinHook:
     def shadow_step(self, sync: bool, source: int) -> None:
         self.model.reducer.prepare_forward(sync)
         self.model.sync_buffers(sync)
+        # A step further where a real forward counts one (_before_training_forward): the
+        # backward's collectives then carry the same step number on every rank, so the
+        # watchdog sees no desync, and shadowing reads as progress, not as a rank behind.
+        reporter.advance()
         if sync:
             self.model.reducer.shadow_backward()
 

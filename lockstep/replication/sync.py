@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from lockstep.replication.choices import ALGORITHMS
+from lockstep.replication.choices import check_combination
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.replica import DataParallel
 
@@ -26,7 +26,8 @@ class SyncConfig:
     algorithm: str = "native"
     """How buckets are summed: "native", "ring", "tree", "shm" or "hierarchical"."""
     compress: Any = None
-    """What goes on the wire: None, "bf16", "fp16", PowerSGD(...) or TopK(...)."""
+    """What goes on the wire: None, "bf16", "fp16", PowerSGD(...) or TopK(...). With
+    "hierarchical", "bf16"/"fp16" compress the cross-host leg only; "shm" takes none."""
     bucket_mb: float | None = None
     """The gradient bucket cap (None: the algorithm's default)."""
     find_unused: bool = False
@@ -37,10 +38,11 @@ class SyncConfig:
     "skip" drops the step on every rank and counts it (`skipped_steps` in the metrics), or
     "off". fp16's loss scaler skips overflowing steps in any case."""
 
+    def __post_init__(self) -> None:
+        self.validate()  # a combination that cannot work is refused here, not in a worker
+
     def validate(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got "
-                             f"{self.algorithm!r}")
+        check_combination(self.algorithm, self.compress)
         check_mode(self.nonfinite)
 
     def build(self, module: nn.Module) -> DataParallel:

@@ -26,11 +26,17 @@ def _broadcastable(v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least float32: half precision widened (counts and sums overflow fp16),
+    float64 kept (a float64 model's statistics rounded to float32 would be approximate)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def global_moments(x: torch.Tensor, group: comm.Group) -> tuple[torch.Tensor, torch.Tensor,
                                                                  torch.Tensor]:
     """Per-channel mean and biased variance over every rank's batch, and the total count,
-    in float32 whatever the input's precision (counts and sums overflow fp16)."""
-    x = x.float()
+    in at least float32 whatever the input's precision (see `_wide`)."""
+    x = _wide(x)
     dims = _channel_dims(x)
     count = torch.full((x.shape[1],), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
     # An empty batch on this rank counts 0 with mean 0 (x.mean would be NaN, and 0 * NaN
@@ -54,16 +60,16 @@ class _SyncBatchNormFn(torch.autograd.Function):
                 bias: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor, eps: float,
                 group: comm.Group) -> torch.Tensor:
         out_dtype = x.dtype
-        x = x.float()  # normalise in float32, as torch's BatchNorm does for half inputs
+        x = _wide(x)  # normalise in float32, as torch's BatchNorm does for half inputs
         invstd = torch.rsqrt(var + eps)
         xhat = (x - _broadcastable(mean, x)) * _broadcastable(invstd, x)
         ctx.save_for_backward(xhat, invstd, weight)  # type: ignore[arg-type]  # None is fine
         ctx.group = group  # type: ignore[attr-defined]
         y = xhat
         if weight is not None:
-            y = y * _broadcastable(weight.float(), x)
+            y = y * _broadcastable(weight.to(x.dtype), x)
         if bias is not None:
-            y = y + _broadcastable(bias.float(), x)
+            y = y + _broadcastable(bias.to(x.dtype), x)
         ctx.dtypes = (out_dtype, None if weight is None else weight.dtype)  # type: ignore[attr-defined]
         return y.to(out_dtype)
 
@@ -71,7 +77,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         xhat, invstd, weight = ctx.saved_tensors
         x_dtype, weight_dtype = ctx.dtypes
-        dy = dy.float()
+        dy = _wide(dy)
         dims = _channel_dims(dy)
         sum_dy, sum_dy_xhat = dy.sum(dims), (dy * xhat).sum(dims)
         grad_weight = sum_dy_xhat.to(weight_dtype) if ctx.needs_input_grad[1] else None
@@ -82,7 +88,7 @@ class _SyncBatchNormFn(torch.autograd.Function):
                                                                     dy.numel() / dy.shape[1])])
             comm.all_reduce(sums, "SyncBatchNorm backward sums", ctx.group)
             mean_dy, mean_dy_xhat = sums[0] / sums[2], sums[1] / sums[2]
-            scale = invstd if weight is None else invstd * weight.float()
+            scale = invstd if weight is None else invstd * weight.to(dy.dtype)
             grad_x = ((dy - _broadcastable(mean_dy, dy)
                        - xhat * _broadcastable(mean_dy_xhat, dy)) * _broadcastable(scale, dy)
                       ).to(x_dtype)

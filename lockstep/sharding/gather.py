@@ -54,13 +54,18 @@ class Gatherer:
                               sub.register_forward_hook(self._after(units)),
                               sub.register_state_dict_pre_hook(self._refuse_state_dict)]
 
+    # The hooks are never traced by torch.compile (in either order of compile and shard):
+    # they run collectives and swap storage in and out, which a compiled graph would replay
+    # against storage that is no longer there. Compiled code runs between them.
     def _before(self, units: list[int]) -> Callable[..., None]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             for u in units:
                 self.acquire(u, backward=False)
         return hook
 
     def _after(self, units: list[int]) -> Callable[..., Any]:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             for u in units:
                 self.users[u] -= 1
@@ -74,6 +79,7 @@ class Gatherer:
         return hook
 
     def _before_backward(self, units: list[int]) -> Callable[[torch.Tensor], None]:
+        @torch.compiler.disable
         def hook(grad: torch.Tensor) -> None:
             self._recording = False
             for u in units:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.replication.choices import refusing
 from lockstep.replication.join import JoinError, JoinHook
 from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
@@ -140,6 +141,15 @@ class _Orphaning:
             guard_orphans(self.gatherer.owners, self.gatherer.groups, self.gatherer.rank)
 
 
+_OWN_COLLECTIVES = ("ZeRO moves gradients and parameters with its own reduce-scatters and "
+                    "all-gathers, uncompressed")
+
+
+@refusing(
+    compress=f"{_OWN_COLLECTIVES}; for fewer bytes on the wire use SyncConfig(compress='bf16', "
+             "lockstep.PowerSGD(...) or lockstep.TopK(...)) without sharding, or "
+             "DiLoCoConfig to synchronise rarely",
+    algorithm=f"{_OWN_COLLECTIVES}; the algorithms are SyncConfig's")
 @dataclass
 class ShardConfig:
     """ZeRO as a training mode: gradients averaged every step, model state sharded."""
