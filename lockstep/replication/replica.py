@@ -30,6 +30,7 @@ from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default
 from lockstep.replication.choices import make_reduction
 from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
+from lockstep.replication.drift import replicated
 from lockstep.replication.join import Join, JoinError, JoinHook
 from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
@@ -277,6 +278,13 @@ class DataParallel(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         return {}  # nothing besides the model and the optimizer
+
+    replicated_optimizer = True  # every rank's optimizer state is the same (DriftCheck)
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every replica holds identically, named for DriftCheck: the parameters
+        (buffers differ after a forward by design: each rank's batch statistics)."""
+        return replicated(self.module, buffers=False)
 
     def checkpoint_model(self) -> nn.Module:
         """What a checkpoint saves: this wrapper, in a layout any ZeRO stage and world size
