@@ -277,7 +277,9 @@ class DataParallel(nn.Module):
         """Nothing to close at the end of training."""
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return {}  # nothing besides the model and the optimizer
+        """Besides the model and optimizer: what the reduction keeps (error feedback)."""
+        state = getattr(self.reduction, "checkpoint_tensors", None)
+        return state(self.reducer.params) if state is not None else {}
 
     replicated_optimizer = True  # every rank's optimizer state is the same (DriftCheck)
 
