@@ -54,3 +54,29 @@ MODES: dict[str, Any] = {
 def test_interrupted_run_resumes_bitwise(world2: World, tmp_path: Path, mode: str) -> None:
     for resumed, whole in world2.run(interrupted_and_whole, str(tmp_path), mode):
         assert resumed == whole
+
+
+def resumed_here(tmp: str, mode: str) -> tuple[str, list[str]]:
+    """The run resumed here, and what rank_state warned."""
+    import logging
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lockstep.training.rank_state")
+    logger.addHandler(handler)
+    try:
+        return train(f"{tmp}/part", mode, 20, resume="auto"), said
+    finally:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("mode", ["powersgd", "local_sgd"])
+def test_per_rank_state_resumes_at_another_world_size(world2: World, world3: World,
+                                                      tmp_path: Path, mode: str) -> None:
+    """Written by 2 ranks, resumed by 3: no rank has its own state to take; the run goes on
+    (rank 0's optimizer state, error feedback from zero) and says it is not bitwise."""
+    world2.run(train, f"{tmp_path}/part", mode, 10, every=5)
+    results = world3.run(resumed_here, str(tmp_path), mode)
+    assert len({final for final, _ in results}) == 1  # the replicas agree at the end
+    assert any("was written by 2 rank(s) and this run has 3" in m for m in results[0][1])
