@@ -67,6 +67,7 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
     silent after 3 steps; worker 1 must still train all its steps."""
     world = lockstep.init()
     model = make_model("mlp")
+    x, y = digit_sets()[0].tensors  # loaded before the clock starts: slow on a busy machine
     prefix = lockstep.lowcomm.paramserver.session_prefix()
     if world.rank == 0:
         server = lockstep.lowcomm.paramserver.ParameterServer(
@@ -74,7 +75,6 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
             max_staleness=0, dead_after_s=1.5)
         return server.serve().summary() | {"dead": server.stats.dead}
     worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
-    x, y = digit_sets()[0].tensors
     for _ in range(steps if world.rank == 1 else 3):
         worker.pull()
         model.zero_grad()
@@ -98,6 +98,7 @@ def check_the_server_gives_up_on_gone_workers(how: str) -> str:
     must stop with an error naming it, not wait for it forever."""
     world = lockstep.init()
     model = make_model("mlp")
+    x, y = digit_sets()[0].tensors  # loaded before the clock starts: slow on a busy machine
     prefix = lockstep.lowcomm.paramserver.session_prefix()
     if world.rank == 0:
         server = lockstep.lowcomm.paramserver.ParameterServer(
@@ -109,7 +110,6 @@ def check_the_server_gives_up_on_gone_workers(how: str) -> str:
         except lockstep.lowcomm.paramserver.ParameterServerError as error:
             return str(error)
     worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=4, timeout_s=30)
-    x, y = digit_sets()[0].tensors
     for _ in range(2):
         worker.pull()
         model.zero_grad()
