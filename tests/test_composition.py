@@ -42,24 +42,6 @@ STEPS, EVERY, PER_RANK, LR, CLIP = 4, 2, 4, 0.05, 0.5  # EVERY: local SGD / DiLo
 # compiles inductor spends minutes on here; LOCKSTEP_COMPILE_BACKEND=inductor to check it.
 BACKEND = os.environ.get("LOCKSTEP_COMPILE_BACKEND", "aot_eager")
 
-# Cells that fail on this branch only because of findings fixed on other branches: the
-# lead removes these marks after merging them.
-_STATE = "fixed on branch i28-state"
-PENDING: dict[tuple[str, str], Any] = {
-    ("zero1", "driftcheck"): pytest.mark.xfail(strict=False,
-                                               reason=f"issue 28 finding 16, {_STATE}"),
-    ("zero2", "driftcheck"): pytest.mark.xfail(strict=False,
-                                               reason=f"issue 28 finding 16, {_STATE}"),
-    # A SIGSEGV in the checksum: it would kill the world, so it is not run until then.
-    ("zero3", "driftcheck"): pytest.mark.xfail(strict=False, run=False,
-                                               reason=f"issue 28 finding 16, {_STATE}"),
-    ("localsgd", "driftcheck"): pytest.mark.xfail(strict=False,
-                                                  reason=f"issue 28 finding 17, {_STATE}"),
-    ("diloco", "driftcheck"): pytest.mark.xfail(strict=False,
-                                                reason=f"issue 28 finding 17, {_STATE}"),
-}
-
-
 def is_local(mode: str) -> bool:
     return mode in ("localsgd", "diloco")
 
@@ -84,6 +66,8 @@ def expectation(mode: str, feature: str) -> tuple[str, str]:
     if compressor is not None and (mode not in ALGORITHMS or mode == "shm" or
                                    (mode == "hierarchical" and compressor != "wire-bf16")):
         return "refused", "config"
+    if has(feature, "driftcheck") and mode == "zero3":
+        return "refused", "wrap"  # a parameter is only its shards: no replica to compare
     if has(feature, "join") and (mode not in ALGORITHMS or has(feature, "syncbn")):
         return "refused", "wrap"  # ZeRO's, the rounds' and SyncBN's collectives: no shadow
     if compressor is not None or precision_of(feature) != "fp32":
@@ -199,6 +183,7 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
             model = config.build(net)
             stack.callback(model.close)
             optimizer = model.make_optimizer(make_sgd)
+            drift = lockstep.DriftCheck(model, every=1) if has(feature, "driftcheck") else None
             if has(feature, "join"):
                 stack.enter_context(model.join([optimizer],
                                                 divide_by_initial_world_size=False))
@@ -207,7 +192,7 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
         # compile-outer: the wrapper compiled (its forward's collectives stay out of the graph)
         outer = has(feature, "compile-outer")
         forward = torch.compile(model, backend=BACKEND) if outer else model
-        train(model, forward, optimizer, feature, world.rank, mode)
+        train(model, forward, optimizer, drift, feature, world.rank, mode)
         stack.pop_all().close()  # leave join (its shadow steps) before reading the weights
         model.finish()
         values = list(model.full_state_dict().values())
@@ -224,13 +209,12 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
             "after": eval_loss(feature, values)}
 
 
-def train(model: Any, forward: Any, optimizer: Any, feature: str, rank: int, mode: str
-          ) -> None:
+def train(model: Any, forward: Any, optimizer: Any, drift: Any, feature: str, rank: int,
+          mode: str) -> None:
     """The Trainer's step (trainer.py), feature by feature; `forward` is the model, or the
     model compiled."""
     precision = precision_of(feature)
     scaler = lockstep.LossScaler(group=model.group) if precision == "fp16" else None
-    drift = lockstep.DriftCheck(model.module, every=1) if has(feature, "driftcheck") else None
     micro = 2 if has(feature, "accumulate") else 1
     dtype = torch.float32 if precision != "fp32" else torch.float64
     for step in range(steps_of(rank, feature)):
@@ -267,8 +251,8 @@ def cells_world() -> Iterator[World]:
 
 
 def _cells() -> list[Any]:
-    return [pytest.param(mode, feature, marks=PENDING.get((mode, feature), ()),
-                         id=f"{mode}-{feature}") for mode in MODES for feature in FEATURES]
+    return [pytest.param(mode, feature, id=f"{mode}-{feature}")
+            for mode in MODES for feature in FEATURES]
 
 
 def assert_says_why(message: str) -> None:
@@ -309,11 +293,6 @@ def test_every_combination_works_or_is_refused_up_front(cells_world: World, mode
 RESUMED = [("native", "plain"), ("zero3", "plain"),
            ("native", "powersgd"), ("native", "topk"), ("localsgd", "plain"),
            ("diloco", "plain")]
-PENDING_RESUME: dict[tuple[str, str], Any] = {
-    cell: pytest.mark.xfail(strict=False, reason=f"issue 28 finding 18, {_STATE}")
-    for cell in [("native", "powersgd"), ("native", "topk"), ("localsgd", "plain"),
-                 ("diloco", "plain")]}
-
 
 def fit(mode: str, feature: str, run_dir: str, max_steps: int, resume: str) -> str:
     """Train with the Trainer (checkpoints every 2 steps); the final weights' digest."""
@@ -335,8 +314,7 @@ def fit(mode: str, feature: str, run_dir: str, max_steps: int, resume: str) -> s
 
 
 @pytest.mark.parametrize(("mode", "feature"), [
-    pytest.param(mode, feature, marks=PENDING_RESUME.get((mode, feature), ()),
-                 id=f"{mode}-{feature}") for mode, feature in RESUMED])
+    pytest.param(mode, feature, id=f"{mode}-{feature}") for mode, feature in RESUMED])
 def test_resuming_continues_bitwise(cells_world: World, tmp_path: Path, mode: str,
                                     feature: str) -> None:
     """Stopped after 2 steps and resumed to 4, every combination lands on the bits of an
@@ -351,8 +329,6 @@ def test_resuming_continues_bitwise(cells_world: World, tmp_path: Path, mode: st
 # ---- asynchronous training -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, run=False,  # the server waits forever for its worker
-                   reason=f"issue 28 finding 20, {_STATE}")
 def test_async_training_refuses_syncbn_up_front(cells_world: World, tmp_path: Path) -> None:
     results = cells_world.run(fit_async_syncbn, str(tmp_path), deadline_s=120)
     for result in results:

@@ -244,3 +244,22 @@ def test_zero_is_refused_with_the_reason(tmp_path: Path) -> None:
     del store
     assert done.returncode != 0
     assert "fault tolerance refuses ZeRO: each rank holds only its shard" in done.stderr
+
+
+def _finals(out: Path, args: list[str]) -> tuple[list[dict[str, Any]], str]:
+    """Run the job on 2 workers to its end; each worker's final record, and the log."""
+    out.mkdir()
+    job = _launch(out, _free_port(), 2, args, "launcher.log")
+    assert job.wait(timeout=240) == 0, (out / "launcher.log").read_text()[-3000:]
+    return [r for r in _records(out) if r.get("final")], (out / "launcher.log").read_text()
+
+
+def test_local_rounds_under_elastic_are_checked_only_at_their_ends(tmp_path: Path) -> None:
+    """ElasticConfig(check_every=1) with local SGD at H=4: before, every step between
+    syncs was a false alarm, and rank 1's local progress was 'repaired' away."""
+    base = ["--steps", "12", "--mode", "localsgd", "--every", "4"]
+    checked, log = _finals(tmp_path / "checked", [*base, "--check-every", "1"])
+    plain, _ = _finals(tmp_path / "plain", base)
+    assert "replicas differ" not in log
+    assert [r["drift_checks"] for r in checked] == [3, 3]  # steps 4, 8 and 12
+    assert {json.dumps(r["params"]) for r in checked} == {json.dumps(plain[0]["params"])}

@@ -3,6 +3,7 @@ itself, and a dead worker stops no one."""
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -66,6 +67,7 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
     silent after 3 steps; worker 1 must still train all its steps."""
     world = lockstep.init()
     model = make_model("mlp")
+    x, y = digit_sets()[0].tensors  # loaded before the clock starts: slow on a busy machine
     prefix = lockstep.lowcomm.paramserver.session_prefix()
     if world.rank == 0:
         server = lockstep.lowcomm.paramserver.ParameterServer(
@@ -73,7 +75,6 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
             max_staleness=0, dead_after_s=1.5)
         return server.serve().summary() | {"dead": server.stats.dead}
     worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
-    x, y = digit_sets()[0].tensors
     for _ in range(steps if world.rank == 1 else 3):
         worker.pull()
         model.zero_grad()
@@ -90,3 +91,66 @@ def test_a_silent_worker_does_not_stop_the_others(world3: World) -> None:
     server, first, _ = world3.run(check_a_silent_worker, 20)
     assert server["dead"] == [2] and server["applied"] == 23
     assert first == {"worker": 1, "steps": 20}
+
+
+def check_the_server_gives_up_on_gone_workers(how: str) -> str:
+    """One worker: after two steps it goes silent ('silent') or fails ('fails'). The server
+    must stop with an error naming it, not wait for it forever."""
+    world = lockstep.init()
+    model = make_model("mlp")
+    x, y = digit_sets()[0].tensors  # loaded before the clock starts: slow on a busy machine
+    prefix = lockstep.lowcomm.paramserver.session_prefix()
+    if world.rank == 0:
+        server = lockstep.lowcomm.paramserver.ParameterServer(
+            model, lambda p: torch.optim.SGD(p, lr=0.05), prefix, updates=100,
+            max_staleness=4, dead_after_s=60.0 if how == "fails" else 1.0)
+        try:
+            server.serve()
+            return "served"
+        except lockstep.lowcomm.paramserver.ParameterServerError as error:
+            return str(error)
+    worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=4, timeout_s=30)
+    for _ in range(2):
+        worker.pull()
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
+        worker.push()
+    if how == "fails":
+        worker.fail(RuntimeError("rank 1: CUDA out of memory\nmore detail"))
+    while not worker.store.check([f"{prefix}stop"]):  # gone, as far as the server knows
+        time.sleep(0.05)
+    return "worker"
+
+
+def test_the_server_gives_up_on_a_worker_that_is_gone(world2: World) -> None:
+    """Before, the server waited forever for its only worker (nobody else progressed)."""
+    started = time.monotonic()
+    silent, _ = world2.run(check_the_server_gives_up_on_gone_workers, "silent", deadline_s=60)
+    failed, _ = world2.run(check_the_server_gives_up_on_gone_workers, "fails", deadline_s=60)
+    # (a loaded machine may pause the worker between its pushes too: 1 or 2 applied)
+    assert re.match(r"rank 0: parameter server: every worker is gone \(worker rank 1 sent "
+                    r"nothing for \ds\), with [12] of 100 updates applied", silent), silent
+    assert re.match(r"rank 0: parameter server: every worker is gone \(worker rank 1 "
+                    r"failed: rank 1: CUDA out of memory\), with [12] of 100 updates", failed)
+    assert time.monotonic() - started < 50  # seconds, not a collective timeout
+
+
+def build_async_with_sync_batchnorm(tmp: str) -> str:
+    lockstep.init()
+    train_set, _ = digit_sets()
+    config = lockstep.TrainConfig(global_batch_size=24, max_steps=2, run_dir=tmp,
+                                  progress=False, parallel=lockstep.AsyncConfig(),
+                                  checkpoint=lockstep.CheckpointConfig(resume="never"))
+    try:
+        lockstep.AsyncTrainer(lockstep.convert_sync_batchnorm(make_model("bn")),
+                              lambda p: torch.optim.SGD(p, lr=0.05), train_set, config=config)
+        return ""
+    except ValueError as error:
+        return str(error)
+
+
+def test_async_refuses_sync_batchnorm_before_training(world2: World, tmp_path: Path) -> None:
+    """Before, the worker failed after the collective timeout and the server waited on."""
+    for rank, said in enumerate(world2.run(build_async_with_sync_batchnorm, str(tmp_path))):
+        assert said.startswith(f"rank {rank}: asynchronous training refuses SyncBatchNorm")
+        assert "Use plain BatchNorm" in said

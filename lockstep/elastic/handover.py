@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.replication.compress import PER_RANK
 
 SOURCE = 0  # membership.decide puts the rank holding the newest state first
 
@@ -93,9 +94,11 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _wrapper_tensors(wrapper: Any) -> dict[str, torch.Tensor]:
-    """Tensors a wrapper keeps besides the module's (DiLoCo's theta and momenta)."""
+    """Tensors a wrapper keeps besides the module's (DiLoCo's theta and momenta). Not each
+    rank's own (error feedback): a newcomer starts its own from zero."""
     extra = getattr(wrapper, "checkpoint_tensors", None)
-    return dict(extra()) if extra is not None else {}
+    return {k: t for k, t in (extra() if extra is not None else {}).items()
+            if not k.startswith(PER_RANK)}
 
 
 def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer, wrapper: Any,

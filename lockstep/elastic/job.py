@@ -310,7 +310,8 @@ class Elastic:
                 "takes its shard with it and no live peer has a copy to continue from; "
                 "use a replicated DataParallel (compression and every algorithm work)")
         if self.config.check_every:
-            self.drift = DriftCheck(self.module, self.config.check_every)
+            # The wrapper says what its replicas share, and when (local rounds: at ends)
+            self.drift = DriftCheck(self.model, self.config.check_every)
 
     def _objects(self) -> dict[str, Any]:
         return {"step": self.step, "lineage": self.lineage,

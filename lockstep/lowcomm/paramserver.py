@@ -16,6 +16,12 @@ happened between the parameters a gradient was computed on and its arrival -- is
   not applied) and its worker just pulls fresh parameters, so a straggler slows only
   itself.
 
+A worker that fails says so (`Worker.fail`) and is dropped at once; one silent for
+`dead_after_s` while others progress, or (once it has pushed) while no worker progresses at
+all, is dropped too.
+When every worker is gone before the budget is spent, the server stops with an error
+naming each one and why (ParameterServerError) rather than wait for them forever.
+
 The server reports how many gradients it applied and rejected and their staleness.
 
 Everything travels through the store the process group already has (TCPStore under
@@ -86,6 +92,10 @@ def load_flat(module: nn.Module, flat: torch.Tensor) -> None:
             p.copy_(piece)
 
 
+class ParameterServerError(RuntimeError):
+    """Every worker is gone before the training budget was spent."""
+
+
 @dataclass
 class ServerStats:
     applied: int = 0
@@ -119,7 +129,9 @@ class ParameterServer:
         self.granted = dict.fromkeys(self.workers, -1)
         self.last_heard = dict.fromkeys(self.workers, time.monotonic())
         self.done: set[int] = set()
+        self.gone: dict[int, str] = {}  # dead workers: why
         self.stats = ServerStats()
+        self._looked = 0.0  # when failure reports were last read
 
     def serve(self) -> ServerStats:
         """Apply gradients until the budget of updates is spent (or, at bound 0, until
@@ -134,6 +146,12 @@ class ParameterServer:
                 self._check_dead()
                 time.sleep(_POLL_S)
         self.store.set(f"{self.prefix}stop", "1")
+        if not self.done and self.stats.applied < self.updates:
+            why = "; ".join(f"worker rank {w} {reason}" for w, reason in self.gone.items())
+            raise ParameterServerError(
+                f"rank 0: parameter server: every worker is gone ({why}), with "
+                f"{self.stats.applied} of {self.updates} updates applied; nothing is left to "
+                "train the model")
         _put(self.store, f"{self.prefix}final", _to_bytes(flatten_params(self.module)))
         return self.stats
 
@@ -203,15 +221,29 @@ class ParameterServer:
         self._grant()
 
     def _check_dead(self) -> None:
+        """Drop workers that said they failed, and those silent for dead_after_s while
+        others progressed -- or, once started, while none did: nothing will ever come."""
         now = time.monotonic()
+        if now - self._looked > 0.1:  # a store read per worker: not at every poll
+            self._looked = now
+            for w in self._live():
+                if self.store.check([f"{self.prefix}failed/{w}"]):
+                    reason = self.store.get(f"{self.prefix}failed/{w}").decode(errors="replace")
+                    self._drop(w, f"failed: {reason}")
         live = self._live()
         ahead = max((self.clock[w] for w in live), default=0)
-        for w in live:
-            if now - self.last_heard[w] > self.dead_after_s and self.clock[w] < ahead:
-                log.warning("parameter server: worker rank %d sent nothing for %.0fs while "
-                            "others progressed; treating it as dead", w, now - self.last_heard[w])
-                self.stats.dead.append(w)
-                self._grant()
+        silent = [w for w in live if now - self.last_heard[w] > self.dead_after_s]
+        stuck = len(silent) == len(live)  # no live worker has been heard from lately
+        for w in silent:  # (one not heard from yet may still be starting: it must fail())
+            if self.clock[w] < ahead or (stuck and self.clock[w] > 0):
+                self._drop(w, f"sent nothing for {now - self.last_heard[w]:.0f}s" +
+                           ("" if stuck else " while others progressed"))
+
+    def _drop(self, w: int, reason: str) -> None:
+        log.warning("parameter server: worker rank %d %s; treating it as dead", w, reason)
+        self.gone[w] = reason
+        self.stats.dead.append(w)
+        self._grant()
 
 
 class Worker:
@@ -253,6 +285,16 @@ class Worker:
         _put(self.store, f"{self.prefix}grad/{self.rank}/{self.step}", payload)
         self.bytes_sent += len(payload) - 8
         self.step += 1
+
+    def fail(self, error: BaseException) -> None:
+        """Tell the server this worker stopped with `error`: it drops the worker at once
+        (and stops, naming it, if no worker is left) instead of waiting for it."""
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        try:
+            self.store.set(f"{self.prefix}failed/{self.rank}", reason)
+        except Exception as unreachable:  # the store went with the server: nobody waits
+            log.warning("rank %d: could not tell the parameter server that this worker "
+                        "failed: %s", self.rank, unreachable)
 
     def finish(self) -> None:
         """Say this worker is done; wait for and load the server's final parameters."""

@@ -33,6 +33,7 @@ from lockstep import comm
 from lockstep.comm.world import current
 from lockstep.replication.choices import refusing
 from lockstep.replication.consistency import verify_replicas_match
+from lockstep.replication.drift import replicated
 from lockstep.replication.join import JoinError
 
 
@@ -138,6 +139,14 @@ class _Replica(nn.Module):
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Extra state to checkpoint besides model and optimizer (none for local SGD)."""
         return {}
+
+    replicated_optimizer = False  # each rank steps its own optimizer between rounds
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every replica holds identically at a round's end (DriftCheck compares it
+        only then, `in_sync()`): the module's state and the wrapper's shared state."""
+        outer = {f"outer state '{k}'": t for k, t in self.checkpoint_tensors().items()}
+        return {**replicated(self.module), **outer}
 
 
 class LocalSGD(_Replica):

@@ -20,11 +20,14 @@ compose.
   all-gathered) and keeps the rest as error feedback; it too takes `warmup_steps`.
 
 Each compressor counts the bytes it sends per step; DataParallel.comm_stats() reports them
-next to what an uncompressed reduction would have sent.
+next to what an uncompressed reduction would have sent. What decides its next steps -- the
+step count, PowerSGD's Q, and each rank's own error feedback -- it offers a checkpoint
+(`checkpoint_tensors`), keyed by parameter index so that a resumed run finds it again.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -43,7 +46,22 @@ class Compression(Reduction):
 
     name = "?"
     warmup_steps = 0  # synchronised steps sent uncompressed before compression starts
-    step = 0          # synchronised steps so far
+    _steps: torch.Tensor | None = None  # synchronised steps so far (a checkpoint fills it)
+
+    @property
+    def step(self) -> int:
+        return int(self._counter()[0])
+
+    def _counter(self) -> torch.Tensor:
+        if self._steps is None:
+            self._steps = torch.zeros(1, dtype=torch.int64)
+        return self._steps
+
+    def checkpoint_tensors(self, params: Sequence[torch.nn.Parameter]
+                           ) -> dict[str, torch.Tensor]:
+        """What decides the next steps, as tensors a checkpoint saves and a resume fills in
+        place; names starting with PER_RANK are each rank's own. `params`: the reducer's."""
+        return {}
 
     def wrap(self, algorithm: AllReduce, world_size: int) -> None:
         """Take over reducing buckets, summing through `algorithm`. Collective: it may
@@ -70,7 +88,7 @@ class Compression(Reduction):
         raise NotImplementedError
 
     def finish(self, buckets: Any) -> None:
-        self.step += 1
+        self._counter().add_(1)
 
     def sent_bytes(self, buckets: Any) -> int:
         sent, self._sent = self._sent, 0
@@ -89,6 +107,10 @@ class Compression(Reduction):
             self._worker = None
         self.inner.close()
 
+
+PER_RANK = "per-rank."
+"""Starts the name of a checkpoint tensor that is each rank's own (error feedback): saved by
+every rank and restored on the rank of the same number."""
 
 HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -139,8 +161,9 @@ class PowerSGD(Compression):
         self.rank, self.warmup_steps = rank, warmup_steps
         self.min_compression, self.seed = min_compression, seed
         self.wire_dtype = HALF_DTYPES[wire_dtype] if wire_dtype else torch.float32
-        self._errors: dict[int, torch.Tensor] = {}  # per parameter: what was not sent yet
-        self._qs: dict[int, torch.Tensor] = {}      # per parameter: last step's Q
+        # Per parameter, by its index in the reducer's list (the same in a resumed run):
+        self._errors: dict[int, torch.Tensor] = {}  # what was not sent yet (this rank's)
+        self._qs: dict[int, torch.Tensor] = {}      # last step's Q (the same everywhere)
 
     def _compressible(self, view: torch.Tensor) -> bool:
         if view.dim() < 2:
@@ -152,9 +175,9 @@ class PowerSGD(Compression):
         label = bucket.label
         matrices: list[tuple[int, torch.Tensor]] = []
         vectors: list[torch.Tensor] = []
-        for p, v in zip(bucket.params, bucket.views, strict=True):
+        for index, v in zip(bucket.spec.param_indices, bucket.views, strict=True):
             if self._compressible(v):
-                matrices.append((id(p), v.view(v.shape[0], -1)))
+                matrices.append((index, v.view(v.shape[0], -1)))
             else:
                 vectors.append(v)
         in_flight = None
@@ -187,11 +210,26 @@ class PowerSGD(Compression):
             self._qs[key] = q
 
     def _q(self, key: int, m: torch.Tensor) -> torch.Tensor:
-        if key not in self._qs:  # the same random start on every rank
-            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + len(self._qs))
+        if key not in self._qs:  # the same random start on every rank, whenever it is made
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + key)
             self._qs[key] = torch.randn(m.shape[1], self.rank, generator=generator,
                                         dtype=m.dtype).to(m.device)
         return self._qs[key]
+
+    def checkpoint_tensors(self, params: Sequence[torch.nn.Parameter]
+                           ) -> dict[str, torch.Tensor]:
+        """The step count, each matrix's Q, and this rank's error feedback. State not made
+        yet (in warm-up) is made now, as it would be: zero error, Q from its seed."""
+        out = {"powersgd.steps": self._counter()}
+        for i, p in enumerate(params):
+            if not self._compressible(p):
+                continue
+            if i not in self._errors:
+                self._errors[i] = torch.zeros(p.shape[0], p.numel() // p.shape[0],
+                                              dtype=p.dtype, device=p.device)
+            out[f"powersgd.q.{i}"] = self._q(i, self._errors[i])
+            out[f"{PER_RANK}powersgd.error.{i}"] = self._errors[i]
+        return out
 
     def _all_reduce_list(self, tensors: list[torch.Tensor], what: str) -> None:
         flat = self._packed(tensors)
@@ -224,18 +262,23 @@ class TopK(Compression):
         if not 0 < ratio <= 1:
             raise ValueError(f"TopK ratio must be in (0, 1], got {ratio}")
         self.ratio, self.warmup_steps = ratio, warmup_steps
-        self._errors: dict[tuple[int, ...], torch.Tensor] = {}
+        # Per parameter, by its index in the reducer's list: a plan rebuilt in arrival
+        # order, or a resumed run, finds each residual again.
+        self._errors: dict[int, torch.Tensor] = {}
 
     def compress_bucket(self, bucket: Bucket) -> None:
-        flat, key = bucket.flat, bucket.spec.param_indices
-        if key in self._errors:
-            flat.add_(self._errors[key])
+        flat, spec = bucket.flat, bucket.spec
+        for index, view in zip(spec.param_indices, bucket.views, strict=True):
+            if index in self._errors:
+                view.add_(self._errors[index].view_as(view))
         k = max(1, int(self.ratio * flat.numel()))
         indices = flat.abs().topk(k, sorted=False).indices
         values = flat[indices]
         residual = flat.clone()
         residual[indices] = 0
-        self._errors[key] = residual
+        for index, offset, p in zip(spec.param_indices, spec.offsets, bucket.params,
+                                    strict=True):
+            self._errors[index] = residual[offset:offset + p.numel()]
         # int32 indices: half the bytes of int64, enough for any bucket under 8 GB.
         everyone_i = torch.empty(self.world_size * k, dtype=torch.int32, device=flat.device)
         everyone_v = torch.empty(self.world_size * k, dtype=flat.dtype, device=flat.device)
@@ -245,6 +288,17 @@ class TopK(Compression):
         self._sent += k * (4 + values.element_size())
         flat.zero_()
         flat.index_add_(0, everyone_i.long(), everyone_v)
+
+
+    def checkpoint_tensors(self, params: Sequence[torch.nn.Parameter]
+                           ) -> dict[str, torch.Tensor]:
+        """The step count and this rank's error feedback (zero where none is kept yet)."""
+        out = {"topk.steps": self._counter()}
+        for i, p in enumerate(params):
+            if i not in self._errors:
+                self._errors[i] = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            out[f"{PER_RANK}topk.error.{i}"] = self._errors[i]
+        return out
 
 
 def make_compression(spec: Any) -> Compression | None:

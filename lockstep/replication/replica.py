@@ -31,6 +31,7 @@ from lockstep.replication.choices import make_reduction
 from lockstep.replication.commhook import CommHook, check_comm_hook
 from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
+from lockstep.replication.drift import replicated
 from lockstep.replication.join import Join, JoinError, JoinHook
 from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
@@ -309,7 +310,16 @@ class DataParallel(nn.Module):
         """Nothing to close at the end of training."""
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        return {}  # nothing besides the model and the optimizer
+        """Besides the model and optimizer: what the reduction keeps (error feedback)."""
+        state = getattr(self.reduction, "checkpoint_tensors", None)
+        return state(self.reducer.params) if state is not None else {}
+
+    replicated_optimizer = True  # every rank's optimizer state is the same (DriftCheck)
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every replica holds identically, named for DriftCheck: the parameters
+        (buffers differ after a forward by design: each rank's batch statistics)."""
+        return replicated(self.module, buffers=False)
 
     def checkpoint_model(self) -> nn.Module:
         """What a checkpoint saves: this wrapper, in a layout any ZeRO stage and world size

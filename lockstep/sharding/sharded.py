@@ -21,6 +21,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.replication.choices import refusing
+from lockstep.replication.drift import replicated
 from lockstep.replication.join import JoinError, JoinHook
 from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
@@ -109,6 +110,21 @@ class ShardedDataParallel(DataParallel):
             return super().full_state_dict()
         with self.gatherer.all_gathered():
             return super().full_state_dict()
+
+    replicated_optimizer = False  # each rank's optimizer state is its own shard
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every rank holds whole (DriftCheck): as DataParallel's at stages 1-2; at
+        stage 3 a parameter is only its shards, which have no replica: the frozen ones."""
+        named = replicated(self.module, params=self.stage < 3, buffers=False)
+        if not named:
+            raise ValueError(
+                f"rank {comm.rank_of(self.group)}: DriftCheck compares what replicas hold "
+                "alike, and under ZeRO stage 3 there is nothing: each parameter lives only "
+                "in its shards, one per rank, with no copy on another rank to compare with "
+                "or repair from (the gathered parameters are the same bytes everywhere by "
+                "construction). Use stage 1 or 2, or DataParallel, to check for drift")
+        return named
 
     def memory_report(self, optimizer: Any) -> dict[str, int]:
         groups: list[FlatGroup] = self.zero_groups

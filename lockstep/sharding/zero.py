@@ -248,6 +248,8 @@ class ZeroOptimizer:
     schedulers work), state_dict()/load_state_dict() (of this rank's shards; see
     zero.sharded_state_dict for checkpoints that reshard)."""
 
+    per_rank_state = True  # its state is this rank's shard: never another rank's to load
+
     def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
                  make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
         self.groups, self.stage, self.group = groups, stage, group

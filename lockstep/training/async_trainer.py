@@ -28,6 +28,7 @@ from torch.utils.data import Dataset
 from lockstep import comm
 from lockstep.comm.world import init
 from lockstep.lowcomm.paramserver import AsyncConfig, ParameterServer, Worker, session_prefix
+from lockstep.replication.syncbn import SyncBatchNorm
 from lockstep.seeding import seed_everything
 from lockstep.training import checkpoint, configfile
 from lockstep.training.batching import plan_batches
@@ -61,6 +62,7 @@ class AsyncTrainer:
         if not isinstance(model, nn.Module):
             seed_everything(self.config.seed)
             model = model()
+        _refuse_sync_batchnorm(model)
         self.module = model.to(self.world.device)
         comm.broadcast_tensors(list(self.module.state_dict().values()), 0,
                                "broadcast of rank 0's model")
@@ -80,8 +82,7 @@ class AsyncTrainer:
         started = time.perf_counter()
         try:
             samples, stats = self._serve(prefix) if world.rank == 0 else \
-                (self._work(Worker(self.module, prefix, self.parallel.max_staleness), runlog),
-                 {})
+                (self._work_or_say_why(prefix, runlog), {})
             totals = comm.control_tensor([float(samples), time.perf_counter() - started],
                                          dtype=torch.float64)
             comm.all_reduce(totals, "async: samples trained")
@@ -103,6 +104,14 @@ class AsyncTrainer:
                                  self.parallel.max_staleness, self.parallel.dead_after_s,
                                  self.schedule)
         return 0, dict(server.serve().summary())
+
+    def _work_or_say_why(self, prefix: str, runlog: RunLog) -> int:
+        worker = Worker(self.module, prefix, self.parallel.max_staleness)
+        try:
+            return self._work(worker, runlog)
+        except Exception as error:
+            worker.fail(error)  # the server drops this worker now, not after a timeout
+            raise
 
     def _work(self, worker: Worker, runlog: RunLog) -> int:
         """A worker's loop: pull, accumulate micro-batches, push -- until the server has
@@ -151,6 +160,20 @@ class AsyncTrainer:
         runlog.message(f"step {self.total_steps}: test loss {metrics['loss']:.4f}, "
                        f"test accuracy {metrics['accuracy']:.4f}")
         return metrics
+
+
+def _refuse_sync_batchnorm(model: nn.Module) -> None:
+    """SyncBatchNorm's forward is a collective over every rank, and here the ranks never
+    run a forward together: the worker would wait the whole collective timeout for the
+    server, then fail."""
+    for name, sub in model.named_modules():
+        if isinstance(sub, (SyncBatchNorm, nn.SyncBatchNorm)):
+            raise ValueError(
+                f"rank {comm.rank_of()}: asynchronous training refuses SyncBatchNorm "
+                f"('{name or type(model).__name__}'): it all-reduces batch statistics across "
+                "ranks in every forward, and here the ranks never run a forward together "
+                "(rank 0 serves; workers step apart). Use plain BatchNorm: each worker "
+                "normalises with its own batch's statistics")
 
 
 def _check_supported(config: TrainConfig) -> AsyncConfig:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lockstep import comm
 from lockstep.logs import get_logger
 from lockstep.sharding import reshard
-from lockstep.training import checkpoint_files
+from lockstep.training import checkpoint_files, rank_state
 from lockstep.training.checkpoint_check import (
     MANIFEST,
     STATE,
@@ -175,11 +175,15 @@ def _shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def expected(model: nn.Module, optimizer: torch.optim.Optimizer,
              extra: dict[str, torch.Tensor] | None = None,
-             state: Callable[[dict[str, Any]], str | None] | None = None) -> Expected:
+             state: Callable[[dict[str, Any]], str | None] | None = None,
+             own_optimizer: bool = False) -> Expected:
     """What loading into `model`, `optimizer` and `extra` needs of a checkpoint, for
     `verify` and `latest_valid`: every tensor's shape and dtype, and `state`, a check of
-    state.json's content (what is wrong with it, or None)."""
-    bundle = {**_tensors(model, optimizer), "extra": dict(extra or {})}
+    state.json's content (what is wrong with it, or None). Each rank's own state is
+    expected under the name this rank's files give it (rank_state): rank 0 verifies, and
+    rank 0's own pieces are in every checkpoint, whatever number of ranks wrote it."""
+    bundle = rank_state.for_files({**_tensors(model, optimizer), "extra": dict(extra or {})},
+                                  own_optimizer)
     tensors = {}
     for leaf in checkpoint_files.leaves(bundle):
         if isinstance(leaf.value, torch.Tensor):  # a ShardedTensor too: its global size
@@ -190,17 +194,20 @@ def expected(model: nn.Module, optimizer: torch.optim.Optimizer,
 
 def save(root: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
          state: dict[str, Any], keep: int = 3,
-         extra: dict[str, torch.Tensor] | None = None) -> Path:
+         extra: dict[str, torch.Tensor] | None = None, own_optimizer: bool = False) -> Path:
     """Write a checkpoint of `model`, `optimizer`, any `extra` named tensors, and the
     JSON-able `state`, from every rank. Collective: every rank must call it. Returns the
     checkpoint folder. Raises CheckpointError on every rank if any rank fails to write (a
-    full disk), after removing the partial checkpoint.
+    full disk), after removing the partial checkpoint. Each rank's own state is kept per
+    rank (rank_state.py): extra tensors named compress.PER_RANK..., and with
+    `own_optimizer` the optimizer's.
     """
     root, rank = Path(root), dist.get_rank()
     final = step_folder(root, step)
     tmp = Path(comm.broadcast_object(str(root / f".tmp-{_PREFIX}{step:08d}-{uuid.uuid4().hex}"),
                                      0, "checkpoint: agree on a folder"))
-    bundle = {**_tensors(model, optimizer), "extra": dict(extra or {})}
+    bundle = rank_state.for_files({**_tensors(model, optimizer), "extra": dict(extra or {})},
+                                  own_optimizer)
     _together("create its folder", final, None,
               lambda: _create(root, tmp) if rank == 0 else None)
     _together("write every rank's files", final, tmp,
@@ -338,32 +345,34 @@ _SYMLINKED = "it is a symbolic link; lockstep reads only checkpoint folders unde
 
 def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
          extra: dict[str, torch.Tensor] | None = None, verified: bool = False,
-         check: Callable[[dict[str, Any]], str | None] | None = None) -> dict[str, Any]:
+         check: Callable[[dict[str, Any]], str | None] | None = None,
+         own_optimizer: bool = False) -> dict[str, Any]:
     """Verify a checkpoint (unless `verified`: latest_valid just chose it) against the model
     and optimizer (and `check`, of state.json's content, see `expected`), load it
     into `model` and `optimizer` (on every rank) and restore this rank's RNG state when the
     checkpoint has one for it. Returns the JSON state."""
     folder, rank = Path(folder), dist.get_rank()
     if not verified:  # hashing every file is a full read of the checkpoint: do it once
-        fits = expected(model, optimizer, extra, check)  # every rank: _tensors may talk
+        fits = expected(model, optimizer, extra, check, own_optimizer)  # _tensors may talk
         problem = verify(folder, fits) if rank == 0 else None
         problem = comm.broadcast_object(problem, 0, "checkpoint: verifying before loading")
         if problem is not None:
             raise CheckpointError(f"rank {rank}: checkpoint {folder} is not valid: {problem}")
-    bundle = _tensors(model, optimizer)
+    live = _tensors(model, optimizer)
     if extra:
-        bundle["extra"] = extra  # loaded in place
+        live["extra"] = extra  # loaded in place
+    bundle = rank_state.for_files(live, own_optimizer, rank_state.saved_world_size(folder))
     failure, state = _read_into(folder, bundle)
     failed = [f"rank {r}: {f}" for r, f in enumerate(
         comm.all_gather_object(failure, "checkpoint: loading")) if f is not None]
     if failed:
         raise CheckpointError(f"rank {rank}: cannot load checkpoint {folder}: "
                               f"{'; '.join(failed)}")
-    if "model" in bundle:  # a plain module, through torch's own state-dict helpers
-        set_state_dict(model, optimizer, model_state_dict=bundle["model"],
-                       optim_state_dict=bundle["optim"])
+    if "model" in live:  # a plain module, through torch's own state-dict helpers
+        set_state_dict(model, optimizer, model_state_dict=live["model"],
+                       optim_state_dict=live["optim"])
     else:
-        reshard.after_load(model, optimizer, bundle)
+        reshard.after_load(model, optimizer, live)
     return state
 
 

@@ -80,6 +80,11 @@ class Checkpoints:
             return epoch_done or step == total_steps
         return step % every == 0 or step == total_steps
 
+    @property
+    def _own_optimizer(self) -> bool:
+        """Each rank steps its own optimizer (local SGD, DiLoCo): its state is kept per rank."""
+        return not getattr(self.model, "replicated_optimizer", True)
+
     def sampler_state(self, state: RunState) -> dict[str, Any]:
         return {**self.sampler.state_dict(), "epoch": state.epoch,
                 "position": state.step_in_epoch * self.global_batch}
@@ -94,7 +99,7 @@ class Checkpoints:
                  "config": self.record()}
         folder = checkpoint.save(self.root, state.global_step, self.model.checkpoint_model(),
                                  self.optimizer, saved, self.config.keep,
-                                 self.model.checkpoint_tensors())
+                                 self.model.checkpoint_tensors(), self._own_optimizer)
         self.seconds += time.perf_counter() - started
         if self.world.is_main:
             jobnote.checkpoint_written(folder, self.config.resume == "auto")  # for Ctrl-C
@@ -108,7 +113,8 @@ class Checkpoints:
             return RunState()
         saved = checkpoint.load(folder, self.model.checkpoint_model(), self.optimizer,
                                 self.model.checkpoint_tensors(),
-                                verified=self.config.resume == "auto", check=self.state_problem)
+                                verified=self.config.resume == "auto", check=self.state_problem,
+                                own_optimizer=self._own_optimizer)
         self._check_resumable(folder, saved)
         state = RunState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                          history=saved["history"])
@@ -137,7 +143,8 @@ class Checkpoints:
             checkpoint.remove_stale(self.root)
         if self.config.resume == "auto":
             fits = checkpoint.expected(self.model.checkpoint_model(), self.optimizer,
-                                       self.model.checkpoint_tensors(), self.state_problem)
+                                       self.model.checkpoint_tensors(), self.state_problem,
+                                       self._own_optimizer)
             return checkpoint.latest_valid(self.root, fits)
         if self.config.resume != "never":
             return Path(self.config.resume)
