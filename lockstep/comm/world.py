@@ -162,8 +162,9 @@ def _at_exit() -> None:
     """Say this rank has left (so waiting peers can name it), then tear the group down:
     exiting with a live Gloo group intermittently aborts the process in torch's teardown
     ("terminate called without an active exception"), which a launcher reports as a crash.
-    The progress thread stops first: it must not be inside a store call meanwhile."""
-    reporter.stop()
+    The progress thread stops first, waited for until it has: it must not be inside a store
+    call meanwhile, nor when the interpreter finalizes (diagnostics.ProgressReporter.stop)."""
+    reporter.stop((_world.timeout if _world is not None else DEFAULT_TIMEOUT).total_seconds())
     watchdog.flush()
     reporter.publish_exit()
     if dist.is_initialized():
