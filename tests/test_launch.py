@@ -45,6 +45,11 @@ def records(stdout: str) -> list[str]:
     return re.findall(r"rank \d+/\d+ grad [\d.]+ threads \w+ args \[[^\]]*\]", stdout)
 
 
+def leftovers(tmpdir: Path) -> list[str]:
+    """What a launch left in its TMPDIR, but for torch's compile cache (kept on purpose)."""
+    return sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -53,9 +58,12 @@ def launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env={**clean, **(env or {})})
 
 
-def test_lockstep_run_starts_workers_with_args_and_threads(script: Path) -> None:
-    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script), "--lr", "0.1")
+def test_lockstep_run_starts_workers_with_args_and_threads(script: Path,
+                                                           tmp_path: Path) -> None:
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script), "--lr", "0.1",
+                    env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
+    assert leftovers(tmp_path) == []  # torchrun left a torchelastic_* folder there
     lines = sorted(records(result.stdout))
     # d(sum of outputs)/dW[0,0] is the sum of 3 inputs equal to the rank: averaged, 3 x 0.5.
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
@@ -63,10 +71,12 @@ def test_lockstep_run_starts_workers_with_args_and_threads(script: Path) -> None
                      for r in range(2)]
 
 
-def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path) -> None:
+def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path,
+                                                           tmp_path: Path) -> None:
     result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
-                    env={"CRASH_AT": "2"})
+                    env={"CRASH_AT": "2", "TMPDIR": str(tmp_path)})
     assert result.returncode == 1
+    assert leftovers(tmp_path) == []  # the error files were read, then removed
     assert "worker rank 1" in result.stderr and "raised an exception" in result.stderr
     assert 'train.py", line' in result.stderr  # the user's own frame
     assert "runpy" not in result.stderr and "entry.py" not in result.stderr  # not ours
