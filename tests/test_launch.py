@@ -135,15 +135,16 @@ BY_HAND = textwrap.dedent("""
 """)
 
 
-def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -> None:
+def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seconds() -> None:
     # Another program holds the port: rank 0 cannot bind it, and rank 1's connection is
-    # accepted by that program, which never answers (rank 1 used to wait forever).
+    # accepted by that program, which never answers (rank 1 used to wait forever, then for
+    # the whole timeout: 300 s by default). A store answers at once: rank 1 knows in 5 s.
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen(16)
         port = squatter.getsockname()[1]
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "3"}
+               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "300"}
         ranks = [subprocess.Popen([sys.executable, "-c", BY_HAND], text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(rank)}) for rank in (0, 1)]
@@ -157,7 +158,8 @@ def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -
     for rank, output in enumerate(outputs):
         seconds = float(re.search(r"after ([\d.]+)s", output).group(1))
         assert f"rank {rank} could not reach the rendezvous at 127.0.0.1:{port}" in output
-        assert seconds <= 3.5, output  # within LOCKSTEP_TIMEOUT
+        assert seconds <= 15, output  # not the 300 s timeout
     assert "the port is in use by another program (EADDRINUSE)" in outputs[0]
-    assert "never answered as a torch.distributed store (waited 3s)" in outputs[1]
-    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 2.9
+    assert ("never answered as a torch.distributed store: another program holds the port "
+            "(waited 5s)") in outputs[1]
+    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 4.9
