@@ -69,8 +69,9 @@ def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:
         if spec.node_rank is not None:
             # Node 0 hosts the rendezvous store. torchrun otherwise guesses by matching the
             # endpoint against this machine's names, which fails behind NAT or namespaces.
-            argv += [f"--node-rank={spec.node_rank}",
-                     f"--rdzv-conf=is_host={int(spec.node_rank == 0)}"]
+            # (Not as torchrun's --node-rank: c10d's rendezvous numbers the hosts itself,
+            # and torchrun warns that it ignores the flag.)
+            argv.append(f"--rdzv-conf=is_host={int(spec.node_rank == 0)}")
         if spec.local_addr is not None:
             argv.append(f"--local-addr={spec.local_addr}")
     else:
