@@ -138,7 +138,7 @@ BY_HAND = textwrap.dedent("""
 def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seconds() -> None:
     # Another program holds the port: rank 0 cannot bind it, and rank 1's connection is
     # accepted by that program, which never answers (rank 1 used to wait forever, then for
-    # the whole timeout: 300 s by default). A store answers at once: rank 1 knows in 5 s.
+    # the whole timeout: 300 s by default). A store answers at once: rank 1 knows in 15 s.
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen(16)
@@ -149,7 +149,7 @@ def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seco
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(rank)}) for rank in (0, 1)]
         try:
-            outputs = [rank.communicate(timeout=30)[0] for rank in ranks]
+            outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
         finally:  # a rank that hangs (the bug) must not outlive the test
             for rank in ranks:
                 if rank.poll() is None:
@@ -158,8 +158,8 @@ def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seco
     for rank, output in enumerate(outputs):
         seconds = float(re.search(r"after ([\d.]+)s", output).group(1))
         assert f"rank {rank} could not reach the rendezvous at 127.0.0.1:{port}" in output
-        assert seconds <= 15, output  # not the 300 s timeout
+        assert seconds <= 25, output  # not the 300 s timeout
     assert "the port is in use by another program (EADDRINUSE)" in outputs[0]
     assert ("never answered as a torch.distributed store: another program holds the port "
-            "(waited 5s)") in outputs[1]
-    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 4.9
+            "(waited 15s)") in outputs[1]
+    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 14.9

@@ -28,9 +28,10 @@ log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("LOCKSTEP_TIMEOUT", "300")))
 
-# How long a store has to answer a connection it accepted (it does at once; a program
-# that is silent this long is not one).
-HANDSHAKE_S = 5.0
+# How long a store has to answer a connection it accepted: a program silent this long is
+# not one. A store answers in a millisecond, but about 1 connection in 25 takes 5 s (a
+# retry inside TCPStore, measured on a loaded machine): three times that.
+HANDSHAKE_S = 15.0
 
 _world: World | None = None  # torch.distributed's default group is process-global; so is this.
 
