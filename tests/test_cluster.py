@@ -42,14 +42,19 @@ def test_bandwidth_parsing() -> None:
 def test_hosts_exist_inside_and_are_removed_even_when_a_command_fails() -> None:
     with pytest.raises(RuntimeError, match="boom"), Cluster(hosts=3, bandwidth="100mbit") as c:
         assert {c.netns(h) for h in range(3)} <= namespaces()
-        results = c.run([["sh", "-c", "ip -o -4 addr show; exit 0"],
+        results = c.run([["sh", "-c", f"ip -o -4 addr show; getent hosts {c.address(1)}"],
                          ["sh", "-c", "exit 3"], ["sleep", "30"]], timeout=60)
         assert c.address(0) in results[0].stdout
+        # A name for every host's address, from a hosts file of the cluster's own (no DNS
+        # server is reachable inside: torch warned on every connection it accepted).
+        assert re.search(rf"^{re.escape(c.address(1))}\s+{c.netns(1)}$", results[0].stdout,
+                         re.MULTILINE), results[0]
         assert results[1].returncode == 3
         assert results[2].returncode != 0  # stopped because host 1 failed, not after 30 s
         raise RuntimeError("boom")
     assert not {c.netns(h) for h in range(3)} & namespaces()
     assert c.bridge not in links() and f"lsv{c.tag}" not in links()
+    assert not any(Path("/etc/netns", c.netns(h)).exists() for h in range(3))
 
 
 @needs_namespaces
@@ -146,6 +151,9 @@ def test_two_hosts_of_two_train_like_one_process(tmp_path: Path, algorithm: str)
         results = c.run([job, job], timeout=240)
     assert all(r.returncode == 0 for r in results), results[0].stderr[-2000:] + \
         results[1].stderr[-2000:]
+    for r in results:  # torch's noise, once on every host
+        assert "node_rank is only used" not in r.stderr, r.stderr
+        assert "hostname of the client socket cannot be retrieved" not in r.stderr, r.stderr
     assert "trained on 4 ranks, 2 hosts" in results[0].stdout + results[1].stdout
     trained = torch.load(out, weights_only=True)
     for name, expected in reference_weights().items():

@@ -28,6 +28,8 @@ import torch
 from lockstep.comm import CollectiveError
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
+from lockstep.elastic.quorum import PREFIX
+from lockstep.launch.elastic import worker_name
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "elastic_job.py")
@@ -53,6 +55,21 @@ def test_decide_puts_the_newest_state_first_and_groups_hosts() -> None:
     assert "lost worker 1 (pid 11 on host a)" in text
     assert "worker 5 (pid 15 on host b) joined" in text
     assert "4 -> 4 workers, continuing at step 8 (regrouped in 1.2s)" in text
+
+
+def test_the_launcher_names_a_worker_as_the_membership_does() -> None:
+    # Ids are handed out as workers arrive: this host's second worker (pid 2005) came
+    # last, after a worker of another host with the same pid. The launcher used to call
+    # it "local worker 1", the membership's messages "worker 2".
+    store = torch.distributed.HashStore()
+    view = torch.distributed.PrefixStore(PREFIX, store)
+    for host, pid in [("vm", 2006), ("other", 2005), ("vm", 2005)]:
+        worker = int(view.add("next_id", 1)) - 1  # as quorum.Coordinator registers
+        view.set(f"host/{worker}", json.dumps([host, pid]))
+    members = Membership(1, (0, 1, 2), ("vm", "other", "vm"), (2006, 2005, 2005), 0)
+    assert worker_name(store, "vm", 2005) == members.name(2) == "worker 2 (pid 2005 on host vm)"
+    assert worker_name(store, "vm", 2007) == \
+        "a worker of this host (pid 2007) that had not joined the job yet"
 
 
 def test_layout_needs_equal_hosts_in_order() -> None:
@@ -212,8 +229,9 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path) -> None:
     stderr = run["stderr"]
     assert "replicas differ at step 5: first in parameter 'weight'; rank(s) [1] hold a " \
         "different version from rank(s) [0, 2]; repairing from rank 0" in stderr
-    assert f"(pid {run['victim']['pid']}) was killed by SIGKILL; the job goes on without " \
-        "it" in stderr
+    assert f"lockstep run --elastic: worker {run['victim']['worker']} (pid " \
+        f"{run['victim']['pid']} on host " in stderr  # the membership's numbering
+    assert "was killed by SIGKILL; the job goes on without it" in stderr
     assert f"lost worker {run['victim']['worker']} (pid {run['victim']['pid']} on host " \
         in stderr
     assert "3 -> 2 workers, continuing at step" in stderr

@@ -45,6 +45,11 @@ def records(stdout: str) -> list[str]:
     return re.findall(r"rank \d+/\d+ grad [\d.]+ threads \w+ args \[[^\]]*\]", stdout)
 
 
+def leftovers(tmpdir: Path) -> list[str]:
+    """What a launch left in its TMPDIR, but for torch's compile cache (kept on purpose)."""
+    return sorted(p.name for p in tmpdir.iterdir() if not p.name.startswith("torchinductor_"))
+
+
 def launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items()
              if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -53,9 +58,12 @@ def launch(*argv: str, env: dict[str, str] | None = None) -> subprocess.Complete
                           env={**clean, **(env or {})})
 
 
-def test_lockstep_run_starts_workers_with_args_and_threads(script: Path) -> None:
-    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script), "--lr", "0.1")
+def test_lockstep_run_starts_workers_with_args_and_threads(script: Path,
+                                                           tmp_path: Path) -> None:
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script), "--lr", "0.1",
+                    env={"TMPDIR": str(tmp_path)})
     assert result.returncode == 0, result.stderr
+    assert leftovers(tmp_path) == []  # torchrun left a torchelastic_* folder there
     lines = sorted(records(result.stdout))
     # d(sum of outputs)/dW[0,0] is the sum of 3 inputs equal to the rank: averaged, 3 x 0.5.
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
@@ -63,10 +71,12 @@ def test_lockstep_run_starts_workers_with_args_and_threads(script: Path) -> None
                      for r in range(2)]
 
 
-def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path) -> None:
+def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path,
+                                                           tmp_path: Path) -> None:
     result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
-                    env={"CRASH_AT": "2"})
+                    env={"CRASH_AT": "2", "TMPDIR": str(tmp_path)})
     assert result.returncode == 1
+    assert leftovers(tmp_path) == []  # the error files were read, then removed
     assert "worker rank 1" in result.stderr and "raised an exception" in result.stderr
     assert 'train.py", line' in result.stderr  # the user's own frame
     assert "runpy" not in result.stderr and "entry.py" not in result.stderr  # not ours
@@ -125,20 +135,21 @@ BY_HAND = textwrap.dedent("""
 """)
 
 
-def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -> None:
+def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seconds() -> None:
     # Another program holds the port: rank 0 cannot bind it, and rank 1's connection is
-    # accepted by that program, which never answers (rank 1 used to wait forever).
+    # accepted by that program, which never answers (rank 1 used to wait forever, then for
+    # the whole timeout: 300 s by default). A store answers at once: rank 1 knows in 15 s.
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))
         squatter.listen(16)
         port = squatter.getsockname()[1]
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "3"}
+               "WORLD_SIZE": "2", "LOCKSTEP_TIMEOUT": "300"}
         ranks = [subprocess.Popen([sys.executable, "-c", BY_HAND], text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   env={**env, "RANK": str(rank)}) for rank in (0, 1)]
         try:
-            outputs = [rank.communicate(timeout=30)[0] for rank in ranks]
+            outputs = [rank.communicate(timeout=60)[0] for rank in ranks]
         finally:  # a rank that hangs (the bug) must not outlive the test
             for rank in ranks:
                 if rank.poll() is None:
@@ -147,7 +158,8 @@ def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_in_time() -
     for rank, output in enumerate(outputs):
         seconds = float(re.search(r"after ([\d.]+)s", output).group(1))
         assert f"rank {rank} could not reach the rendezvous at 127.0.0.1:{port}" in output
-        assert seconds <= 3.5, output  # within LOCKSTEP_TIMEOUT
+        assert seconds <= 25, output  # not the 300 s timeout
     assert "the port is in use by another program (EADDRINUSE)" in outputs[0]
-    assert "never answered as a torch.distributed store (waited 3s)" in outputs[1]
-    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 2.9
+    assert ("never answered as a torch.distributed store: another program holds the port "
+            "(waited 15s)") in outputs[1]
+    assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 14.9

@@ -373,8 +373,9 @@ def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
         assert "rank 2 did not reach it and does not answer (stopped?)" in stderr
         end = "the launcher then killed it (SIGKILL: it did not stop on SIGTERM)"
     else:
-        assert f'      File "{script}", line 11, in <module>\n' \
-               "        time.sleep(60)  # rank 2 is stuck here" in stderr  # the user's line
+        # The user's line, and first: not the launcher's entry or runpy's frames.
+        assert f'it is now at:\n      File "{script}", line 11, in <module>\n' \
+               "        time.sleep(60)  # rank 2 is stuck here" in stderr
         end = "the launcher then stopped it (SIGTERM)"
     summary = stderr[stderr.index("lockstep run: worker"):]
     assert re.match(rf"lockstep run: worker rank 2 \(local rank 2, pid {pid}\) stalled: rank "

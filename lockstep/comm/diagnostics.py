@@ -15,8 +15,13 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from lockstep.logs import get_logger
+
+log = get_logger(__name__)
+
 _PREFIX = "lockstep/progress/"
 _PUBLISH_INTERVAL_S = 0.5
+_STOP_WAIT_S = 300.0  # the default collective (and store) timeout
 
 
 class ProgressReporter:
@@ -49,17 +54,29 @@ class ProgressReporter:
                                             daemon=True)
             self._thread.start()
 
-    def stop(self) -> None:
-        """End the thread (at exit, before the process group goes): it must not be in the
-        middle of a store call while the store is torn down."""
+    def stop(self, wait_s: float = _STOP_WAIT_S) -> None:
+        """End the thread and wait until it has (at exit, before the process group goes).
+
+        Waited for to the end, not for a moment: a thread still inside a store call when
+        the interpreter finalizes aborts the process as the call returns ("terminate called
+        without an active exception": CPython ends a daemon thread that wants the GIL back
+        then, and the unwinding crosses torch's C++), or reads a store being destroyed. A
+        store call ends within the store's timeout, which bounds `wait_s`."""
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return
+        thread.join(timeout=wait_s)
+        if thread.is_alive():
+            log.warning("the progress thread is still inside a store call after %.0fs; "
+                        "exiting anyway", wait_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.publish("running")
             for tick in list(self.ticks):
+                if self._stop.is_set():  # exit waits for this thread: no new store calls
+                    return
                 tick()
             self._stop.wait(_PUBLISH_INTERVAL_S)
 

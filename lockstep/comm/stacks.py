@@ -23,8 +23,9 @@ import torch.distributed as dist
 _PREFIX = "lockstep/stack/"
 _POLL_S = 0.05
 MAX_FRAMES = 12
-# The worker's entry and runpy's frames are the same in every stack and say nothing.
-_NOISE = ("lockstep/entry.py", "<frozen runpy>", "/runpy.py")
+# The worker's entry (lockstep.launch.entry) and runpy's frames are the same in every
+# stack and stand before the user's own: dropped.
+_NOISE = ("lockstep/launch/entry.py", "<frozen runpy>", "/runpy.py")
 
 
 def stack_of(thread_id: int | None = None) -> str:

@@ -28,6 +28,11 @@ log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("LOCKSTEP_TIMEOUT", "300")))
 
+# How long a store has to answer a connection it accepted: a program silent this long is
+# not one. A store answers in a millisecond, but about 1 connection in 25 takes 5 s (a
+# retry inside TCPStore, measured on a loaded machine): three times that.
+HANDSHAKE_S = 15.0
+
 _world: World | None = None  # torch.distributed's default group is process-global; so is this.
 
 
@@ -162,8 +167,9 @@ def _at_exit() -> None:
     """Say this rank has left (so waiting peers can name it), then tear the group down:
     exiting with a live Gloo group intermittently aborts the process in torch's teardown
     ("terminate called without an active exception"), which a launcher reports as a crash.
-    The progress thread stops first: it must not be inside a store call meanwhile."""
-    reporter.stop()
+    The progress thread stops first, waited for until it has: it must not be inside a store
+    call meanwhile, nor when the interpreter finalizes (diagnostics.ProgressReporter.stop)."""
+    reporter.stop((_world.timeout if _world is not None else DEFAULT_TIMEOUT).total_seconds())
     watchdog.flush()
     reporter.publish_exit()
     if dist.is_initialized():
@@ -196,18 +202,22 @@ def _rendezvous(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     TCPStore alone can wait forever: a client whose connection is accepted by some other
     program on that port (rank 0 having failed to bind it) waits for a reply that never
     comes. So a client first waits for anything to listen there (plain sockets, a clean
-    deadline), then lets TCPStore connect in a thread it abandons at the deadline -- only
-    ever blocked on a reply, which ends with the process."""
+    deadline: rank 0 may start late), then lets TCPStore connect in a thread it abandons
+    after HANDSHAKE_S -- a store answers a connection at once, so what is silent that long
+    is some other program -- only ever blocked on a reply, which ends with the process."""
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    deadline = time.monotonic() + timeout.total_seconds()
+    started = time.monotonic()
+    deadline = started + timeout.total_seconds()
     try:
         if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             return _env_store(rank, world_size, timeout)  # binds, or fails at once
         _wait_for_listener(deadline)
-        return _within(deadline, lambda: _env_store(rank, world_size, timeout))
+        answer_by = min(deadline, time.monotonic() + HANDSHAKE_S)
+        return _within(answer_by, lambda: _env_store(rank, world_size, timeout))
     except Exception as error:
+        problem = _rendezvous_problem(error, rank, time.monotonic() - started)
         raise RuntimeError(f"lockstep.init: rank {rank} could not reach the rendezvous at "
-                           f"{where}: {_rendezvous_problem(error, rank, timeout)}") from error
+                           f"{where}: {problem}") from error
 
 
 def _env_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
@@ -243,18 +253,18 @@ def _within(deadline: float, connect: Callable[[], dist.Store]) -> dist.Store:
     thread.join(max(0.0, deadline - time.monotonic()))
     if not outcome:
         raise TimeoutError("a program accepted the connection there but never answered as a "
-                           "torch.distributed store")
+                           "torch.distributed store: another program holds the port")
     if isinstance(outcome[0], Exception):
         raise outcome[0]
     return outcome[0]
 
 
-def _rendezvous_problem(error: Exception, rank: int, timeout: timedelta) -> str:
+def _rendezvous_problem(error: Exception, rank: int, waited_s: float) -> str:
     if "EADDRINUSE" in str(error):
         return ("this rank hosts it, and the port is in use by another program "
                 "(EADDRINUSE); set MASTER_PORT to a free port, the same on every rank")
     what = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    what = f"{what} (waited {timeout.total_seconds():.0f}s)"
+    what = f"{what} (waited {waited_s:.0f}s)"
     if rank == 0:
         return f"{what}; check that every rank was started with the same MASTER_ADDR/PORT"
     return (f"{what}. Rank 0 hosts it: check that rank 0 is running, that MASTER_ADDR and "

@@ -22,6 +22,7 @@ mid-way is replaced by "abandoned", and everyone moves on to e+1).
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -111,8 +112,9 @@ class Heartbeat:
     member has read it before it comes, and on a round boundary (`align`)."""
 
     def __init__(self, address: str, worker: int, config: ElasticConfig) -> None:
+        self._store_timeout_s = config.collective_timeout_s
         self.store = dist.PrefixStore(PREFIX, connect(address, timedelta(
-            seconds=config.collective_timeout_s)))
+            seconds=self._store_timeout_s)))
         self.worker, self.interval = worker, config.heartbeat_s
         self.membership: Membership | None = None
         self.align = 1
@@ -124,6 +126,7 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="lockstep-heartbeat",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.stop)  # a job that ends without finish() or leave() too
 
     def follow(self, membership: Membership, align: int) -> None:
         self.membership, self.align = membership, max(1, align)
@@ -140,12 +143,13 @@ class Heartbeat:
         return grow[1] if grow is not None and grow[0] == epoch else None
 
     def stop(self) -> None:
-        """Stop beating, and wait for the thread: one still inside a store call while the
-        interpreter exits aborts the process ("terminate called without an active
-        exception")."""
+        """Stop beating, and wait for the thread until it has stopped: one still inside a
+        store call while the interpreter exits aborts the process ("terminate called without
+        an active exception"). Its store calls end within the store's timeout."""
+        atexit.unregister(self.stop)
         self._stop.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=self._store_timeout_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():

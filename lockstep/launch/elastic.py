@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from types import FrameType
 
@@ -48,8 +50,9 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
         print(f"{_SAY} job store at {endpoint}; to add workers later, run on any host: "
               f"lockstep run --elastic -n 1 --rdzv-endpoint {endpoint} {spec.target}",
               file=sys.stderr, flush=True)
-    workers = [_start(spec, endpoint, i) for i in range(spec.nproc)]
-    code = _supervise(workers)
+    host = os.environ.get("LOCKSTEP_HOST") or spec.local_addr or socket.gethostname()
+    workers = [_start(spec, endpoint, host, i) for i in range(spec.nproc)]
+    code = _supervise(workers, lambda pid: worker_name(store, host, pid))
     if hosting:
         _serve_until_idle(store)
     return code
@@ -105,13 +108,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start(spec: LaunchSpec, endpoint: str, local_rank: int) -> subprocess.Popen[bytes]:
+def _start(spec: LaunchSpec, endpoint: str, host: str,
+           local_rank: int) -> subprocess.Popen[bytes]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     initial = int(spec.nnodes.split(":")[-1]) * spec.nproc
-    env.update({ENV_STORE: endpoint, ENV_INITIAL: str(initial),
-                "LOCKSTEP_HOST": env.get("LOCKSTEP_HOST") or spec.local_addr
-                or socket.gethostname(),
+    env.update({ENV_STORE: endpoint, ENV_INITIAL: str(initial), "LOCKSTEP_HOST": host,
                 "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(spec.nproc),
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS")
                 or str(threads_per_worker(spec.nproc))})
@@ -119,8 +121,23 @@ def _start(spec: LaunchSpec, endpoint: str, local_rank: int) -> subprocess.Popen
     return subprocess.Popen([sys.executable, "-u", *target, *spec.args], env=env)
 
 
-def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for every worker, reporting each one that fails when it fails."""
+def worker_name(store: dist.Store, host: str, pid: int) -> str:
+    """A worker as the membership's messages name it: by its id in the job (handed out as
+    workers arrive, so not its place among this host's workers), pid and host."""
+    view = dist.PrefixStore(PREFIX, store)
+    try:
+        for worker in range(int(view.add("next_id", 0))):
+            key = f"host/{worker}"
+            if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
+                return f"worker {worker} (pid {pid} on host {host})"
+    except Exception:  # the job's store is gone with the launcher that hosted it
+        pass
+    return f"a worker of this host (pid {pid}) that had not joined the job yet"
+
+
+def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str]) -> int:
+    """Wait for every worker, reporting each one that fails when it fails (`name`: how to
+    call the worker with this pid)."""
     stopping: list[int] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -140,8 +157,8 @@ def _supervise(workers: list[subprocess.Popen[bytes]]) -> int:
                     if w.returncode != 0 and not stopping:
                         failures.append(w.returncode)
                         goes_on = "; the job goes on without it" if running else ""
-                        print(f"{_SAY} local worker {i} (pid {w.pid}) {_how(w.returncode)}"
-                              f"{goes_on}", file=sys.stderr, flush=True)
+                        print(f"{_SAY} {name(w.pid)} {_how(w.returncode)}{goes_on}",
+                              file=sys.stderr, flush=True)
             time.sleep(0.1)
     finally:
         for s, handler in previous.items():

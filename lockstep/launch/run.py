@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -53,9 +54,12 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, (cores or 1) // max(1, nproc))
 
 
-def torchrun_argv(spec: LaunchSpec) -> list[str]:
-    """The equivalent torchrun command line (without the `torchrun` itself)."""
+def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:
+    """The equivalent torchrun command line (without the `torchrun` itself). `log_dir`:
+    where torchrun keeps its per-worker files (else a torchelastic_* folder of its own)."""
     argv = [f"--nproc-per-node={spec.nproc}", f"--max-restarts={spec.max_restarts}"]
+    if log_dir is not None:
+        argv.append(f"--log-dir={log_dir}")
     if spec.multi_host():
         if spec.rdzv_endpoint is None:
             raise ValueError("lockstep run: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
@@ -65,8 +69,9 @@ def torchrun_argv(spec: LaunchSpec) -> list[str]:
         if spec.node_rank is not None:
             # Node 0 hosts the rendezvous store. torchrun otherwise guesses by matching the
             # endpoint against this machine's names, which fails behind NAT or namespaces.
-            argv += [f"--node-rank={spec.node_rank}",
-                     f"--rdzv-conf=is_host={int(spec.node_rank == 0)}"]
+            # (Not as torchrun's --node-rank: c10d's rendezvous numbers the hosts itself,
+            # and torchrun warns that it ignores the flag.)
+            argv.append(f"--rdzv-conf=is_host={int(spec.node_rank == 0)}")
         if spec.local_addr is not None:
             argv.append(f"--local-addr={spec.local_addr}")
     else:
@@ -96,8 +101,11 @@ def run(spec: LaunchSpec) -> int:
     user_threads = os.environ.get("OMP_NUM_THREADS")  # the user's choice wins
     os.environ["OMP_NUM_THREADS"] = user_threads or str(threads_per_worker(spec.nproc))
     note = _checkpoint_note()
+    # torchrun's per-worker folders (error files) go in a folder of this launch's own,
+    # removed at the end: left to itself, torchrun leaves a torchelastic_* folder behind.
+    logs = tempfile.mkdtemp(prefix="lockstep-run-")
     try:
-        torchrun.run(torchrun.parse_args(torchrun_argv(spec)))
+        torchrun.run(torchrun.parse_args(torchrun_argv(spec, logs)))
     except ChildFailedError as failed:
         print(failure_summary(failed), file=sys.stderr)
         return exit_status(failed)
@@ -109,6 +117,7 @@ def run(spec: LaunchSpec) -> int:
             del os.environ["OMP_NUM_THREADS"]
         os.environ.pop(jobnote.ENV, None)
         note.unlink(missing_ok=True)
+        shutil.rmtree(logs, ignore_errors=True)  # made above, by and for this launch only
     return 0
 
 

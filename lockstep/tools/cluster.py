@@ -38,6 +38,7 @@ log = get_logger(__name__)
 
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(kbit|mbit|gbit)$")
 _BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+_NETNS_ETC = "/etc/netns"  # iproute2's per-namespace /etc: `ip netns exec` mounts its files
 
 
 def parse_bandwidth(text: str) -> float:
@@ -140,9 +141,32 @@ class Cluster:
         _ip("-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", inside)
         _ip("-n", ns, "link", "set", inside, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
+        self._write_hosts(ns)
         if self.rate_bps:  # shape both directions: what the host sends and what it receives
             self._shape(["ip", "netns", "exec", ns], inside)
             self._shape([], outside)
+
+    def _write_hosts(self, ns: str) -> None:
+        """The host's /etc/hosts: the machine's, plus a name for every address of the cluster.
+        `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts. Without it, looking up
+        a peer's address asks a DNS server the namespace cannot reach, and torch warns on
+        every connection ("The hostname of the client socket cannot be retrieved")."""
+        folder = os.path.join(_NETNS_ETC, ns)
+        if not os.path.isdir(_NETNS_ETC):
+            self._made.append(f"dir:{_NETNS_ETC}")  # removed at teardown only if empty
+            os.makedirs(_NETNS_ETC, exist_ok=True)
+        self._made.append(f"dir:{folder}")
+        os.mkdir(folder)
+        self._made.append(f"file:{folder}/hosts")
+        with open("/etc/hosts") as machine:
+            ours = machine.read().rstrip("\n")
+        # torch's stores listen on IPv6 sockets: peers show as ::1 and ::ffff:a.b.c.d.
+        named = [("127.0.0.1", "localhost"), ("::1", "localhost")] + \
+            [(self.address(h), self.netns(h)) for h in range(self.hosts)]
+        lines = [f"{ip} {name}" for ip, name in named] + \
+            [f"::ffff:{ip} {name}" for ip, name in named if "." in ip]
+        with open(os.path.join(folder, "hosts"), "w") as hosts:
+            hosts.write(f"{ours}\n# lockstep cluster {self.tag}\n" + "\n".join(lines) + "\n")
 
     def _shape(self, prefix: list[str], device: str) -> None:
         assert self.rate_bps is not None
@@ -160,8 +184,11 @@ class Cluster:
             if kind == "netns":
                 self._kill_inside(name)
                 _ip("netns", "del", name, check=False)
-            else:
+            elif kind == "link":
                 _ip("link", "del", name, check=False)
+            else:  # only what was made: a file, a folder once empty (another cluster's
+                with contextlib.suppress(OSError):  # may still be in /etc/netns)
+                    (os.unlink if kind == "file" else os.rmdir)(name)
         self._made.clear()
 
     @staticmethod
