@@ -15,9 +15,16 @@ def memory_report(model: nn.Module, optimizer: Any) -> dict[str, int]:
     report = getattr(model, "memory_report", None)
     if callable(report):  # a wrapper knows where its state lives (sharded or not)
         return dict(report(optimizer))
-    params = list(model.parameters())
-    return {"parameters": tensor_bytes(params),
-            "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
+    return held(model.parameters(), optimizer)
+
+
+def held(params: Iterable[torch.Tensor], optimizer: Any,
+         grads: Iterable[torch.Tensor] | None = None) -> dict[str, int]:
+    """The bytes of `params`, of their gradients (or of `grads`) and of `optimizer`'s state."""
+    params = list(params)
+    if grads is None:
+        grads = [p.grad for p in params if p.grad is not None]
+    return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(grads),
             "optimizer_state": state_bytes(optimizer)}
 
 

@@ -383,3 +383,8 @@ def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     share one entry), in registration order."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
+
+
+def requires_grad_mask(module: torch.nn.Module) -> tuple[bool, ...]:
+    """Which parameters train, for noticing when that changes between steps."""
+    return tuple(p.requires_grad for p in module.parameters())

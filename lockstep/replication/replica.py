@@ -25,6 +25,7 @@ from lockstep import comm
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import current
 from lockstep.logs import get_logger
+from lockstep.replication import memory
 from lockstep.replication.algorithms import Native
 from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.replication.choices import make_reduction
@@ -33,10 +34,9 @@ from lockstep.replication.consistency import ModelMismatchError, verify_replicas
 from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
 from lockstep.replication.drift import replicated
 from lockstep.replication.join import Join, JoinError, JoinHook
-from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.ownership import Owned, claim, owner_of
-from lockstep.replication.reducer import Reducer, trainable
+from lockstep.replication.reducer import Reducer, requires_grad_mask, trainable
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.syncbn import SyncBatchNorm
 
@@ -153,7 +153,7 @@ class DataParallel(nn.Module):
         return trainable(self.module)
 
     def _new_reducer(self) -> Reducer:
-        self._trainable_mask = _requires_grad_mask(self.module)
+        self._trainable_mask = requires_grad_mask(self.module)
         reducer = Reducer(self._reduced_params(), self.reduction, *self._bucket_bytes,
                           self._find_unused, self.group, self._nonfinite)
         self._owned.reducer = reducer
@@ -188,7 +188,7 @@ class DataParallel(nn.Module):
         return optimizer(self.parameters(), **kwargs)
 
     def _requires_grad_changed(self) -> bool:
-        return _requires_grad_mask(self.module) != self._trainable_mask
+        return requires_grad_mask(self.module) != self._trainable_mask
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
@@ -196,7 +196,7 @@ class DataParallel(nn.Module):
         at the same step; the rebuild checks that they did."""
         if not self._requires_grad_changed():
             return
-        masks = comm.all_gather_object(_requires_grad_mask(self.module), "agreeing on which "
+        masks = comm.all_gather_object(requires_grad_mask(self.module), "agreeing on which "
                                        "parameters are trainable after requires_grad changed",
                                        self.group)
         if any(mask != masks[0] for mask in masks):
@@ -333,10 +333,7 @@ class DataParallel(nn.Module):
 
     def memory_report(self, optimizer: Any) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds now."""
-        params = list(self.module.parameters())
-        return {"parameters": tensor_bytes(params),
-                "gradients": tensor_bytes([p.grad for p in params if p.grad is not None]),
-                "optimizer_state": state_bytes(optimizer)}
+        return memory.held(self.module.parameters(), optimizer)
 
     def bucket_sizes_mb(self) -> list[float]:
         return self.reducer.bucket_sizes_mb()
@@ -399,7 +396,3 @@ class _ReplicaJoinHook:
                                           "join: final broadcast of optimizer state", group)
             if not mine:
                 optimizer.load_state_dict(state)
-
-
-def _requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:
-    return tuple(p.requires_grad for p in module.parameters())

@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.replication import memory
 from lockstep.replication.choices import refusing
 from lockstep.replication.drift import replicated
 from lockstep.replication.join import JoinError, JoinHook
-from lockstep.replication.memory import state_bytes, tensor_bytes
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
@@ -132,8 +132,7 @@ class ShardedDataParallel(DataParallel):
         params = flats + ([g.shard_param for g in groups] if self.stage == 3 else [])
         grads = ([b.flat for b in self.reducer.buckets if b.flat.untyped_storage().nbytes()]
                  + ([g.shard_grad for g in groups] if self.stage > 1 else []))
-        return {"parameters": tensor_bytes(params), "gradients": tensor_bytes(grads),
-                "optimizer_state": state_bytes(optimizer)}
+        return memory.held(params, optimizer, grads)
 
     def close(self) -> None:
         """As DataParallel's; at stage 3 the module first gets its full parameters back (a
