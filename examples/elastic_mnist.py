@@ -27,7 +27,9 @@ from lockstep.elastic import ElasticConfig, batch_slice
 from lockstep.training.sampler import global_order
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--epochs", type=int, default=3)
+# 12 epochs (492 steps, about a minute on 2 cores): time to kill a worker and to start
+# the second command while the job still runs (3 epochs were over in 6 s).
+parser.add_argument("--epochs", type=int, default=12)
 parser.add_argument("--global-batch", type=int, default=96, help="samples per step, any world")
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--algorithm", default="native", help="native, shm, hierarchical, ...")

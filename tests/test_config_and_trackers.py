@@ -136,3 +136,20 @@ def test_nested_configs_from_a_file_and_dotted_overrides(tmp_path: Path) -> None
         configfile.configure(lockstep.TrainConfig(), None, ["parallel.sync_every=3"])
     record = json.loads(json.dumps(configfile.as_record(config)))
     assert configfile.apply(lockstep.TrainConfig(), record, "record") == config
+
+
+def test_a_mode_and_its_fields_are_set_in_one_command_in_any_order() -> None:
+    """`--set trainer.parallel.sync_every=20` on a sync config needs the mode: given in the
+    same command, before or after, it is applied first; missing, the error says so."""
+    want = lockstep.LocalSGDConfig(sync_every=20)
+    for overrides in (["trainer.parallel=local_sgd", "trainer.parallel.sync_every=20"],
+                      ["trainer.parallel.sync_every=20", "trainer.parallel=localsgd"],
+                      ["trainer.parallel.sync_every=20", "trainer.parallel.mode=local-sgd"]):
+        assert configfile.configure(lockstep.TrainConfig(), None, overrides).parallel == want
+    diloco = configfile.configure(lockstep.TrainConfig(), None, [
+        "parallel.outer_lr=0.5", "parallel.mode=diloco", "parallel.sync_every=5"]).parallel
+    assert diloco == lockstep.DiLoCoConfig(sync_every=5, outer_lr=0.5)
+    with pytest.raises(configfile.ConfigError, match=r"SyncConfig has no field 'sync_every'; "
+                       r"mode local_sgd and diloco have it: choose the mode too, e\.g\. "
+                       r"--set trainer\.parallel\.mode=local_sgd"):
+        configfile.configure(lockstep.TrainConfig(), None, ["trainer.parallel.sync_every=20"])

@@ -86,6 +86,29 @@ def test_batch_slices_cover_the_global_batch_once(world_size: int) -> None:
     assert got == list(range(36, 48))
 
 
+def test_every_member_stops_for_joiners_at_the_step_set_even_if_its_heartbeat_lags() -> None:
+    """The step at which an epoch stops to admit joiners is set by rank 0's heartbeat and
+    learnt by the others' heartbeats; a member whose heartbeat has not learnt it yet (a
+    starved thread: a loaded machine) must still stop there, not go into the step."""
+    from lockstep.elastic import ElasticConfig
+    from lockstep.elastic.quorum import PREFIX, Coordinator
+
+    port = _free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                       wait_for_workers=False)
+    member = Coordinator(f"127.0.0.1:{port}", "a", ElasticConfig(), initial=2)
+    try:
+        member.heartbeat.stop()  # learns nothing from here on
+        now = Membership(0, (7, member.id), ("a", "a"), (10, 11), 30, me=member.id)
+        assert not member.grow_due(now, 33)
+        # rank 0's heartbeat: stop at step 33
+        torch.distributed.PrefixStore(PREFIX, store).set("grow/0", "33")
+        assert member.heartbeat.grow_at(0) is None
+        assert not member.grow_due(now, 32) and member.grow_due(now, 33)
+    finally:
+        member.leave()
+
+
 def test_which_errors_mean_a_peer_is_gone() -> None:
     assert membership_failure(CollectiveError("rank 0: bucket failed"))
     assert membership_failure(RuntimeError("[../gloo/pair.cc:553] Connection closed by peer"))

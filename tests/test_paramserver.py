@@ -56,23 +56,32 @@ def test_a_straggler_slows_async_far_less_than_sync(world3: World, tmp_path: Pat
 
     # The same budget of samples each time; throughput relative to no straggler.
     async_pace = throughput("async", 2) / throughput("async", None)
-    sync_pace = throughput("sync", 2) / throughput("sync", None)
+    sync_alone = throughput("sync", None)
+    sync_pace = throughput("sync", 2) / sync_alone
     workers = 2  # async: rank 0 serves
     assert async_pace >= (workers - 1) / workers  # the fast worker keeps its pace
-    assert sync_pace < 0.45  # synchronous training moves at the straggler's pace (1/3)
+    # Synchronous training moves at the straggler's pace: its step takes 0.2 s longer than
+    # a step measured here without it (the 0.1 s sleep and the real work, which a loaded
+    # machine makes slower: a fixed bound, 0.45, assumed an idle one).
+    step_s = 24 / sync_alone
+    straggler_pace = step_s / (step_s + 0.2)  # 1/3 with no work; 0.375 at 20 ms of it
+    assert sync_pace < 1.2 * straggler_pace, (sync_pace, step_s)
 
 
 def check_a_silent_worker(steps: int) -> dict[str, object]:
     """In synchronous rounds (bound 0, where workers do wait for each other), worker 2 goes
     silent after 3 steps; worker 1 must still train all its steps."""
+    from datetime import timedelta
+
     world = lockstep.init()
     model = make_model("mlp")
     x, y = digit_sets()[0].tensors  # loaded before the clock starts: slow on a busy machine
     prefix = lockstep.lowcomm.paramserver.session_prefix()
     if world.rank == 0:
+        # Generous: a live worker slowed by a loaded machine must not pass for dead.
         server = lockstep.lowcomm.paramserver.ParameterServer(
             model, lambda p: torch.optim.SGD(p, lr=0.05), prefix, updates=10_000,
-            max_staleness=0, dead_after_s=1.5)
+            max_staleness=0, dead_after_s=5.0)
         return server.serve().summary() | {"dead": server.stats.dead}
     worker = lockstep.lowcomm.paramserver.Worker(model, prefix, max_staleness=0, timeout_s=30)
     for _ in range(steps if world.rank == 1 else 3):
@@ -80,8 +89,8 @@ def check_a_silent_worker(steps: int) -> dict[str, object]:
         model.zero_grad()
         torch.nn.functional.cross_entropy(model(x[:16]), y[:16]).backward()
         worker.push()
-    if world.rank == 2:
-        time.sleep(6)  # silent: neither pushes nor says it is done
+    if world.rank == 2:  # silent, neither pushing nor saying it is done, until the end
+        worker.store.wait([f"{prefix}stop"], timedelta(seconds=120))
         return {"worker": 2}
     worker.finish()
     return {"worker": 1, "steps": worker.step}

@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 JOB = Path(__file__).with_name("resumable_job.py")
 LOCKSTEP = Path(sys.executable).parent / "lockstep"
 STEPS_PER_EPOCH, GLOBAL_BATCH = 30, 48
@@ -42,20 +44,27 @@ def effective_samples(run_dir: Path) -> dict[int, list[int]]:
 def kill_mid_epoch(run_dir: Path, at_step: int) -> subprocess.CompletedProcess[str]:
     job = subprocess.Popen(command(run_dir, delay=0.15), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    # Generous: only a guard against a hang. Under load the whole test took 100 s; a 60 s
+    # wait for step 10 could expire, and the kill then found no pid file.
+    deadline = time.monotonic() + 300
     progress = run_dir / "step-rank0"
-    while time.monotonic() < deadline:
-        if progress.exists() and progress.read_text() and int(progress.read_text()) >= at_step:
-            break
-        time.sleep(0.05)
-    os.kill(int((run_dir / "pid-rank1").read_text()), signal.SIGKILL)
-    out, err = job.communicate(timeout=60)
+    try:
+        while not (progress.exists() and progress.read_text() and
+                   int(progress.read_text()) >= at_step):
+            assert job.poll() is None and time.monotonic() < deadline, f"no step {at_step}"
+            time.sleep(0.05)
+        os.kill(int((run_dir / "pid-rank1").read_text()), signal.SIGKILL)
+        out, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
     return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
+@pytest.mark.timeout(900)  # three launches: 100 s under load; the default is 300 s
 def test_kill_9_then_rerun_resumes_exactly(tmp_path: Path) -> None:
     reference = subprocess.run(command(tmp_path / "whole", 0.0), capture_output=True,
-                               text=True, timeout=120)
+                               text=True, timeout=240)
     assert reference.returncode == 0, reference.stderr
 
     crashed = kill_mid_epoch(tmp_path / "crashed", at_step=10)
@@ -65,7 +74,7 @@ def test_kill_9_then_rerun_resumes_exactly(tmp_path: Path) -> None:
     assert killed_at < STEPS_PER_EPOCH, "the kill must land in the middle of epoch 0"
 
     resumed = subprocess.run(command(tmp_path / "crashed", 0.0), capture_output=True,
-                             text=True, timeout=120)
+                             text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr
     # The newest checkpoint at or before the kill (every 4 steps; the one at the kill's own
     # step may or may not have been completed when the kill landed).

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +24,7 @@ import lockstep
 from lockstep import comm
 from lockstep.comm import CollectiveError, stacks, watchdog
 from lockstep.comm.ledger import mismatches
-from lockstep.comm.stall_report import STACK_WAIT_S, judge, verdict
+from lockstep.comm.stall_report import LEDGER_KEY, judge, verdict
 from lockstep.testing import World
 
 STALL_S = 1.5
@@ -104,17 +104,26 @@ def world() -> Iterator[World]:
 
 
 class _Warnings(logging.Handler):
-    def __init__(self) -> None:
+    """The warnings this rank logs; a stall warning is also told to the other ranks through
+    the store (under `tag`), so that a test waits for it rather than for a guessed time."""
+
+    def __init__(self, tag: str) -> None:
         super().__init__(logging.WARNING)
         self.seen: list[tuple[float, str]] = []
+        self.tag = tag
 
     def emit(self, record: logging.LogRecord) -> None:
         self.seen.append((record.created, record.getMessage()))
+        if "has waited" in record.getMessage():
+            _store().set(f"test/{self.tag}/warned/{dist.get_rank()}", "1")
+
+    def saw(self, text: str) -> bool:
+        return any(text in message for _, message in self.seen)
 
 
 @contextmanager
-def _warnings() -> Iterator[_Warnings]:
-    handler, logger = _Warnings(), logging.getLogger("lockstep")
+def _warnings(tag: str) -> Iterator[_Warnings]:
+    handler, logger = _Warnings(tag), logging.getLogger("lockstep")
     logger.addHandler(handler)
     try:
         yield handler
@@ -122,17 +131,36 @@ def _warnings() -> Iterator[_Warnings]:
         logger.removeHandler(handler)
 
 
-NAP_S = 3.5
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _until(done: Callable[[], bool], limit_s: float) -> None:
+    """Wait for `done` (something another thread or rank does), at most `limit_s`; the
+    test's assertions then say what did not happen."""
+    deadline = time.monotonic() + limit_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _until_warned(tag: str, ranks: list[int], limit_s: float) -> None:
+    """Until each of `ranks` has logged its stall warning (a loaded machine may take longer
+    than usual: a fixed nap could end before the warnings were out)."""
+    _until(lambda: _store().check([f"test/{tag}/warned/{r}" for r in ranks]), limit_s)
+
+
+NAP_S = TIMEOUT_S - 2  # the longest nap: rank 2 wakes once the others have warned
 
 
 def _a_rank_naps() -> tuple[float, list[tuple[float, str]]]:
     comm.barrier("test: start together")
     started = time.time()
-    with _warnings() as seen:
+    with _warnings("naps") as seen:
         if dist.get_rank() == 2:
-            time.sleep(NAP_S)  # rank 2 naps here
+            _until_warned("naps", [0, 1], NAP_S)  # rank 2 naps here
         comm.all_reduce(torch.ones(3), "test: the sum after a nap")
-        time.sleep(1.0)  # the watchdog's next look: the stall is over
+        if dist.get_rank() != 2:  # the watchdog's next look: the stall is over
+            _until(lambda: seen.saw('the sum after a nap" finished after all'), TIMEOUT_S)
     return started, seen.seen
 
 
@@ -151,7 +179,7 @@ def test_a_rank_asleep_in_python_is_named_with_the_line_it_sleeps_on(world: Worl
             in seen[-1][1], seen
     full = [text for _, text in warnings if "it is now at:" in text]
     assert len(full) == 1, warnings  # the stacks once, not from every waiting rank
-    assert "time.sleep(NAP_S)  # rank 2 naps here" in full[0]
+    assert '_until_warned("naps", [0, 1], NAP_S)  # rank 2 naps here' in full[0]
     assert "in _a_rank_naps" in full[0]
 
 
@@ -160,9 +188,9 @@ def _a_rank_naps_before_a_shared_memory_reduction() -> tuple[float, list[tuple[f
     model = lockstep.DataParallel(torch.nn.Linear(4, 2), algorithm="shm")
     loss = model(torch.ones(2, 4)).sum()
     started = time.time()
-    with _warnings() as seen:
+    with _warnings("shm") as seen:
         if dist.get_rank() == 2:
-            time.sleep(NAP_S)  # rank 2 naps before its backward
+            _until_warned("shm", [0, 1], NAP_S)  # rank 2 naps before its backward
         loss.backward()  # the others wait in a barrier in shared memory, not in torch's
     model.close()
     return started, seen.seen
@@ -175,26 +203,33 @@ def test_a_stall_in_a_shared_memory_reduction_is_named_too(world: World) -> None
     assert len(warnings) == 2 and results[2][1] == [], results
     for after, text in warnings:
         assert STALL_S <= after < STALL_S + 5 and "rank 2 did not reach it" in text, warnings
-    assert any("time.sleep(NAP_S)  # rank 2 naps before its backward" in t for _, t in warnings)
+    assert any('_until_warned("shm", [0, 1], NAP_S)  # rank 2 naps before its backward' in t
+               for _, t in warnings)
 
 
-def _resume_after_warning(seen: _Warnings, pid: int) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while not seen.seen and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(STACK_WAIT_S + 1.0)  # the other waiting rank's stack request times out first
+def _resume_after_warning(pid: int) -> None:
+    # Both waiting ranks' warnings are out: the one asking for stacks waited STACK_WAIT_S
+    # for the stopped rank's answer first.
+    _until_warned("stop", [0, 1], TIMEOUT_S - 1)
     os.kill(pid, signal.SIGCONT)
+
+
+def _published(label: str) -> bool:
+    """Whether this rank's watchdog thread has published `label` among its collectives."""
+    key = f"{LEDGER_KEY}{dist.get_rank()}"
+    return _store().check([key]) and label in _store().get(key).decode()
 
 
 def _a_rank_is_stopped() -> tuple[float, list[tuple[float, str]]]:
     rank = dist.get_rank()
     pids = comm.all_gather_object(os.getpid(), "test: process ids")
     comm.all_reduce(torch.ones(3), "test: the last sum before the stop")
-    time.sleep(1.0)  # every rank publishes what it issued last
+    # Every rank publishes what it issued last (twice a second; later on a loaded machine).
+    _until(lambda: _published("test: the last sum before the stop"), TIMEOUT_S)
     started = time.time()
-    with _warnings() as seen:
+    with _warnings("stop") as seen:
         if rank == 0:  # someone must resume it, once the warnings are out
-            threading.Thread(target=_resume_after_warning, args=(seen, pids[2])).start()
+            threading.Thread(target=_resume_after_warning, args=(pids[2],)).start()
         if rank == 2:
             os.kill(os.getpid(), signal.SIGSTOP)
         comm.all_reduce(torch.ones(3), "test: the sum a stopped rank holds up")
@@ -223,15 +258,15 @@ def _a_rank_skips_a_backward(stall_after: float) -> tuple[float, list[tuple[floa
     rank, skipped = dist.get_rank(), 0.0
     torch.manual_seed(0)
     model = lockstep.DataParallel(torch.nn.Linear(4, 2))
-    with _warnings() as seen:
+    with _warnings("skip") as seen:
         for step in range(3):
             loss = model(torch.ones(2, 4)).sum()
             if rank == 2 and step == 1:
                 skipped = time.time()
                 continue  # its next backward is matched with the others' backward of step 1
             loss.backward()
-        if rank == 2:  # the others wait on their last backward; then it releases them
-            time.sleep(stall_after + 1.5)
+        if rank == 2:  # the others wait on their last backward; once they warned, it
+            _until_warned("skip", [0, 1], TIMEOUT_S - 1)  # releases them
             model(torch.ones(2, 4)).sum().backward()
     model.close()
     watchdog.start(STALL_S, TIMEOUT_S, "gloo")
@@ -254,14 +289,20 @@ def test_a_rank_that_skips_a_backward_is_named_as_a_desync_at_once(world: World)
         assert len(stalls) == 1 and "desync at collective #" in stalls[0], seen
 
 
+def _timed_out() -> bool:
+    return _store().check([f"test/timeout/{r}" for r in (0, 1)])
+
+
 def _a_rank_sleeps_past_the_timeout() -> tuple[str, list[int], bool] | None:
-    if dist.get_rank() == 2:
-        time.sleep(TIMEOUT_S + 2)  # rank 2 sleeps through the timeout
+    if dist.get_rank() == 2:  # until the others timed out, however late they started
+        _until(_timed_out, 10 * TIMEOUT_S)  # rank 2 sleeps through the timeout
         return None
     try:
         comm.all_reduce(torch.ones(3), "test: a sum that times out")
     except CollectiveError as error:
         return str(error), error.culprits, error.stalled
+    finally:
+        _store().set(f"test/timeout/{dist.get_rank()}", "1")
     return None
 
 
@@ -273,7 +314,8 @@ def test_the_timeout_error_names_the_culprit_and_where_it_stands(world: World) -
         first = message.splitlines()[0]
         assert "test: a sum that times out failed after" in first
         assert first.endswith("-- rank 2 did not reach it"), first
-        assert "time.sleep(TIMEOUT_S + 2)  # rank 2 sleeps through the timeout" in message
+        assert "_until(_timed_out, 10 * TIMEOUT_S)  # rank 2 sleeps through the timeout" \
+            in message
         assert (culprits, stalled) == ([2], True)
 
 
@@ -361,9 +403,11 @@ def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
     code, lines, stuck_at, pid = _launch_stuck(script, how)
     stderr = "\n".join(text for _, text in lines)
     assert code == 1, stderr
-    for rank in (0, 1):
+    for rank in (0, 1):  # once, about the collective rank 2 never reached (on a loaded
+        # machine a rank still importing torch may be 2 s late to the first one as well)
         warned = [at for at, text in lines
-                  if text.startswith(f"[lockstep rank {rank}] WARNING rank {rank} has waited")]
+                  if text.startswith(f"[lockstep rank {rank}] WARNING rank {rank} has waited")
+                  and " of step 5: " in text]
         assert len(warned) == 1 and warned[0] - stuck_at < 2 + 5, stderr
     assert 'of step 5: rank 2 did not reach it' in stderr
     # Its last progress: step 4, or step 3 where the twice-a-second publisher had not yet

@@ -108,8 +108,9 @@ def pending_joiners(store: dist.Store) -> list[int]:
 class Heartbeat:
     """A daemon thread with its own store connection: bumps this worker's counter, learns
     when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
-    step when joiners are waiting: far enough ahead (about a second of steps) that every
-    member has read it before it comes, and on a round boundary (`align`)."""
+    step when joiners are waiting: far enough ahead (about a second of steps, and at least
+    two: no member can be past it yet) that members usually learn it here, and on a round
+    boundary (`align`). A member that has not is told by the store (`grow_due`)."""
 
     def __init__(self, address: str, worker: int, config: ElasticConfig) -> None:
         self._store_timeout_s = config.collective_timeout_s
@@ -236,7 +237,14 @@ class Coordinator:
         self.store.set(f"left/{self.id}", "1")
 
     def grow_due(self, membership: Membership, step: int) -> bool:
+        """Whether the epoch stops at this step boundary to admit joiners. Until the
+        heartbeat has learnt the step, the store is asked: a heartbeat thread starved on a
+        loaded machine once learnt it too late, and that member went into the step the
+        others stopped before (its attempt interrupted, the step redone)."""
         at = self.heartbeat.grow_at(membership.epoch)
+        key = f"grow/{membership.epoch}"
+        if at is None and self.store.check([key]):
+            at = int(self.store.get(key))
         return at is not None and step >= at
 
     # ---- regrouping ---------------------------------------------------------------------

@@ -13,8 +13,10 @@ A file holds TrainConfig's fields at its top level or under a `[trainer]` table,
 configs as tables of their own (`[trainer.parallel]` with `mode = "diloco"`); a run's own
 `config.json` (written into every run folder) is such a file, so a run can be repeated with
 `--config runs/x/config.json`. On the command line a nested field is dotted: `--set
-trainer.parallel.sync_every=20`, `--set trainer.checkpoint.resume=never`. Later sources
-win: the code's defaults, then the file, then each `--set` in order. Every name and every
+trainer.checkpoint.resume=never`; a mode is named and its fields set in one command, in
+any order: `--set trainer.parallel=diloco --set trainer.parallel.sync_every=20`. Later
+sources win: the code's defaults, then the file, then each `--set` in order (a mode before
+the fields it decides). Every name and every
 value's type is checked against the dataclass, so a typo is an error naming the field, not
 a silently ignored setting.
 """
@@ -59,10 +61,22 @@ def configure(config: C, file: str | Path | None = None, overrides: list[str] | 
     """`config` with the file's values, then each override, applied (a new object)."""
     if file is not None:
         config = apply(config, load_file(file), str(file))
-    for text in overrides or []:
-        name, value = parse_override(text)
+    parsed = [(text, *parse_override(text)) for text in overrides or []]
+    # A mode decides which fields its config has: `--set trainer.parallel.sync_every=20
+    # --set trainer.parallel=local_sgd` means local SGD with 20, whatever the order.
+    parsed.sort(key=lambda item: not _names_a_mode(config, item[1], item[2]))
+    for text, name, value in parsed:
         config = apply(config, {name: value}, f"--set {text}")
     return config
+
+
+def _names_a_mode(config: Any, name: str, value: Any) -> bool:
+    """Whether an override chooses a nested config's mode (`parallel.mode=diloco`, or
+    `parallel=diloco` for short)."""
+    if name.endswith(".mode"):
+        return True
+    hints = typing.get_type_hints(type(config))
+    return isinstance(value, str) and name in hints and bool(_config_classes(hints[name]))
 
 
 def load_file(path: str | Path) -> dict[str, Any]:
@@ -135,6 +149,8 @@ def apply(config: C, values: dict[str, Any], source: str) -> C:
         if name not in names:
             raise ConfigError(f"{source}: {type(config).__name__} has no field {name!r}")
         options = _config_classes(hints[name])
+        if options and isinstance(value, str):  # `parallel=diloco`: a mode, by its name
+            value = {"mode": value}
         if options and isinstance(value, dict):
             changes[name] = _nested(getattr(config, name), value, options, f"{source}: {name}")
         else:
@@ -169,12 +185,35 @@ def _nested(current: Any, values: dict[str, Any], options: list[type], where: st
     another `mode` -- that mode's config, from its defaults."""
     values = dict(values)
     mode = values.pop("mode", getattr(type(current), "mode", None))
-    chosen = next((c for c in options if getattr(c, "mode", None) == mode), None)
+    chosen = next((c for c in options if _same_mode(getattr(c, "mode", None), mode)), None)
     if chosen is None:
         modes = ", ".join(str(getattr(c, "mode", c.__name__)) for c in options)
         raise ConfigError(f"{where}: mode must be one of {modes}, not {mode!r}")
+    _check_fields_of_mode(chosen, values, options, where)
     base = current if type(current) is chosen else chosen()
     return apply(base, values, where)
+
+
+def _same_mode(known: Any, given: Any) -> bool:
+    """'local_sgd' is also 'localsgd' and 'local-sgd'."""
+    def plain(mode: Any) -> Any:
+        return mode.replace("_", "").replace("-", "").lower() if isinstance(mode, str) else mode
+    return bool(plain(known) == plain(given))
+
+
+def _check_fields_of_mode(chosen: type, values: dict[str, Any], options: list[type],
+                          where: str) -> None:
+    """A field of another mode is an error that names the modes that have it."""
+    names = {f.name for f in dataclasses.fields(chosen)}
+    for name in (n.partition(".")[0] for n in values):
+        others = [str(getattr(c, "mode", c.__name__)) for c in options
+                  if c is not chosen and name in {f.name for f in dataclasses.fields(c)}]
+        if name not in names and others:
+            field = where.rpartition(": ")[2]
+            raise ConfigError(
+                f"{where}: {chosen.__name__} has no field {name!r}; mode "
+                f"{' and '.join(others)} {'has' if len(others) == 1 else 'have'} it: choose "
+                f"the mode too, e.g. --set trainer.{field}.mode={others[0]} (in any order)")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
