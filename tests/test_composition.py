@@ -36,8 +36,10 @@ FEATURES = ("plain", "wire-bf16", "powersgd", "topk", "precision-bf16", "precisi
             "accumulate", "clip", "syncbn", "join", "driftcheck", "compile", "compile-outer",
             "frozen")
 # Pairs that once broke (issue 28's sweep, benchmarks/composition.py): the loop's own
-# collectives under join (a loss scaler's overflow vote, a drift check).
-PAIRS = (("native", "join+precision-fp16"), ("native", "join+driftcheck"))
+# collectives under join (a loss scaler's overflow vote, a drift check); ZeRO-3's frozen
+# parameters, whole on every rank, are what its drift check compares.
+PAIRS = (("native", "join+precision-fp16"), ("native", "join+driftcheck"),
+         ("zero3", "frozen+driftcheck"))
 COMPRESSORS = {"wire-bf16": lambda: "bf16",
                "powersgd": lambda: lockstep.PowerSGD(rank=1, warmup_steps=1),
                "topk": lambda: lockstep.TopK(0.5)}
@@ -70,7 +72,7 @@ def expectation(mode: str, feature: str) -> tuple[str, str]:
     if compressor is not None and (mode not in ALGORITHMS or mode == "shm" or
                                    (mode == "hierarchical" and compressor != "wire-bf16")):
         return "refused", "config"
-    if has(feature, "driftcheck") and mode == "zero3":
+    if has(feature, "driftcheck") and mode == "zero3" and not has(feature, "frozen"):
         return "refused", "wrap"  # a parameter is only its shards: no replica to compare
     if has(feature, "join") and (mode not in ALGORITHMS or has(feature, "syncbn")):
         return "refused", "wrap"  # ZeRO's, the rounds' and SyncBN's collectives: no shadow
@@ -243,8 +245,8 @@ def train(model: Any, forward: Any, optimizer: Any, scaler: Any, drift: Any, fea
         optimizer.zero_grad(set_to_none=True)
         if drift is not None:
             if step == 1 and rank == 1 and not is_local(mode):  # a replica goes astray
-                with torch.no_grad():
-                    next(model.module.parameters()).add_(1e-3)
+                with torch.no_grad():  # where replicas are compared (ZeRO-3: what is frozen)
+                    next(iter(model.replicated_tensors().values())).add_(1e-3)
             drift.check_and_repair(step + 1, [optimizer])
 
 
