@@ -5,9 +5,7 @@ run_cell, reference and expectations) for pairs of features, a few minutes' work
 prints how each ended: exact (matches the single-process reference), approximate (ran,
 replicas identical, loss down), refused (at config or wrap time, with the reason) -- or
 BROKEN, with what went wrong. Pairs left out: two compressors, two precisions, both compile
-orders, and join with the fp16 loss scaler or DriftCheck (collectives of the training
-loop itself, which a joined rank does not issue -- as with torch's DDP, where such a
-collective under join hangs too).
+orders.
 
     python benchmarks/composition.py                 # the whole sweep
     python benchmarks/composition.py --modes native zero3 --features join accumulate clip
@@ -28,15 +26,13 @@ from lockstep.testing import World, WorldError
 from tests.test_composition import (
     FEATURES,
     MODES,
-    PENDING,
     build_config,
     expectation,
     run_cell,
 )
 
 APART = [{"wire-bf16", "powersgd"}, {"wire-bf16", "topk"}, {"powersgd", "topk"},
-         {"precision-bf16", "precision-fp16"}, {"compile", "compile-outer"},
-         {"join", "precision-fp16"}, {"join", "driftcheck"}]
+         {"precision-bf16", "precision-fp16"}, {"compile", "compile-outer"}]
 
 
 def pairs(features: list[str]) -> list[str]:
@@ -46,18 +42,7 @@ def pairs(features: list[str]) -> list[str]:
 
 def judge(world: World, mode: str, feature: str) -> tuple[str, str]:
     """(verdict, detail) for one cell: exact, approximate, refused-config, refused-wrap, or
-    BROKEN; a cell holding a pending single-feature cell of the CI matrix (a finding fixed
-    on another branch) says so, and is not run if that one would crash the world."""
-    pending = [PENDING[(mode, f)].mark for f in feature.split("+") if (mode, f) in PENDING]
-    if pending and not pending[0].kwargs.get("run", True):
-        return "pending", f"not run: {pending[0].kwargs['reason']}"
-    verdict, detail = _judge(world, mode, feature)
-    if pending and verdict == "BROKEN":
-        return "pending", f"{pending[0].kwargs['reason']}: {detail}"
-    return verdict, detail
-
-
-def _judge(world: World, mode: str, feature: str) -> tuple[str, str]:
+    BROKEN."""
     outcome, where = expectation(mode, feature)
     if where == "config":
         try:

@@ -33,7 +33,13 @@ from lockstep.testing import World
 
 MODES = (*ALGORITHMS, "zero1", "zero2", "zero3", "localsgd", "diloco")
 FEATURES = ("plain", "wire-bf16", "powersgd", "topk", "precision-bf16", "precision-fp16",
-            "accumulate", "clip", "syncbn", "join", "driftcheck", "compile", "compile-outer")
+            "accumulate", "clip", "syncbn", "join", "driftcheck", "compile", "compile-outer",
+            "frozen")
+# Pairs that once broke (issue 28's sweep, benchmarks/composition.py): the loop's own
+# collectives under join (a loss scaler's overflow vote, a drift check); ZeRO-3's frozen
+# parameters, whole on every rank, are what its drift check compares.
+PAIRS = (("native", "join+precision-fp16"), ("native", "join+driftcheck"),
+         ("zero3", "frozen+driftcheck"))
 COMPRESSORS = {"wire-bf16": lambda: "bf16",
                "powersgd": lambda: lockstep.PowerSGD(rank=1, warmup_steps=1),
                "topk": lambda: lockstep.TopK(0.5)}
@@ -66,7 +72,7 @@ def expectation(mode: str, feature: str) -> tuple[str, str]:
     if compressor is not None and (mode not in ALGORITHMS or mode == "shm" or
                                    (mode == "hierarchical" and compressor != "wire-bf16")):
         return "refused", "config"
-    if has(feature, "driftcheck") and mode == "zero3":
+    if has(feature, "driftcheck") and mode == "zero3" and not has(feature, "frozen"):
         return "refused", "wrap"  # a parameter is only its shards: no replica to compare
     if has(feature, "join") and (mode not in ALGORITHMS or has(feature, "syncbn")):
         return "refused", "wrap"  # ZeRO's, the rounds' and SyncBN's collectives: no shadow
@@ -98,6 +104,8 @@ def tiny(feature: str) -> nn.Module:
     torch.manual_seed(0)
     norm = [nn.BatchNorm1d(16)] if has(feature, "syncbn") else []
     net = nn.Sequential(nn.Linear(8, 16), *norm, nn.Tanh(), nn.Linear(16, 2))
+    if has(feature, "frozen"):  # beside a trainable weight in the same layer
+        net[0].bias.requires_grad_(False)
     return net.to(torch.float64 if precision_of(feature) == "fp32" else torch.float32)
 
 
@@ -184,15 +192,17 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
             stack.callback(model.close)
             optimizer = model.make_optimizer(make_sgd)
             drift = lockstep.DriftCheck(model, every=1) if has(feature, "driftcheck") else None
-            if has(feature, "join"):
-                stack.enter_context(model.join([optimizer],
+            scaler = lockstep.LossScaler(group=model.group) \
+                if precision_of(feature) == "fp16" else None
+            if has(feature, "join"):  # a loss scaler's vote is answered by a rank out of data
+                stack.enter_context(model.join([optimizer, *([scaler] if scaler else [])],
                                                 divide_by_initial_world_size=False))
         except (ValueError, RuntimeError) as error:
             return {"refused": "wrap", "why": f"{type(error).__name__}: {error}"}
         # compile-outer: the wrapper compiled (its forward's collectives stay out of the graph)
         outer = has(feature, "compile-outer")
         forward = torch.compile(model, backend=BACKEND) if outer else model
-        train(model, forward, optimizer, drift, feature, world.rank, mode)
+        train(model, forward, optimizer, scaler, drift, feature, world.rank, mode)
         stack.pop_all().close()  # leave join (its shadow steps) before reading the weights
         model.finish()
         values = list(model.full_state_dict().values())
@@ -209,12 +219,11 @@ def run_cell(mode: str, feature: str) -> dict[str, Any]:
             "after": eval_loss(feature, values)}
 
 
-def train(model: Any, forward: Any, optimizer: Any, drift: Any, feature: str, rank: int,
-          mode: str) -> None:
+def train(model: Any, forward: Any, optimizer: Any, scaler: Any, drift: Any, feature: str,
+          rank: int, mode: str) -> None:
     """The Trainer's step (trainer.py), feature by feature; `forward` is the model, or the
     model compiled."""
     precision = precision_of(feature)
-    scaler = lockstep.LossScaler(group=model.group) if precision == "fp16" else None
     micro = 2 if has(feature, "accumulate") else 1
     dtype = torch.float32 if precision != "fp32" else torch.float64
     for step in range(steps_of(rank, feature)):
@@ -236,8 +245,8 @@ def train(model: Any, forward: Any, optimizer: Any, drift: Any, feature: str, ra
         optimizer.zero_grad(set_to_none=True)
         if drift is not None:
             if step == 1 and rank == 1 and not is_local(mode):  # a replica goes astray
-                with torch.no_grad():
-                    next(model.module.parameters()).add_(1e-3)
+                with torch.no_grad():  # where replicas are compared (ZeRO-3: what is frozen)
+                    next(iter(model.replicated_tensors().values())).add_(1e-3)
             drift.check_and_repair(step + 1, [optimizer])
 
 
@@ -252,7 +261,7 @@ def cells_world() -> Iterator[World]:
 
 def _cells() -> list[Any]:
     return [pytest.param(mode, feature, id=f"{mode}-{feature}")
-            for mode in MODES for feature in FEATURES]
+            for mode, feature in [*((m, f) for m in MODES for f in FEATURES), *PAIRS]]
 
 
 def assert_says_why(message: str) -> None:

@@ -216,3 +216,52 @@ def test_local_rounds_are_compared_only_at_their_ends(world: World, kind: str) -
         assert r["false_alarms"] == [] and r["same"]
         assert r["checked"] == [2, 4, 6] and r["deferred"] == [4, 6]  # due at 3: at 4
         assert r["caught"] == ["4: parameter '2.weight' on [1]"] and r["repaired"]
+
+
+def _join_run(counts: list[int], check_every: int | None, drift_at: int | None
+              ) -> tuple[list[str], str, list[int]]:
+    """DataParallel on uneven inputs under join(), a drift check after each step (as
+    `due` says); at `drift_at`, when every rank still has data, rank 1 changes a weight."""
+    import lockstep
+    from lockstep.training.checkpoint import fingerprint
+
+    rank = comm.rank_of()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = lockstep.DataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    check = DriftCheck(model, every=check_every) if check_every else None
+    found, checked = [], []
+    with model.join([optimizer]):
+        for step in range(1, counts[rank] + 1):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == drift_at and rank == 1:
+                with torch.no_grad():
+                    net[2].weight.add_(0.25)
+            if check is not None and check.due(step):
+                checked.append(step)
+                if drift := check.check_and_repair(step, [optimizer]):
+                    found.append(f"{drift.step}: {drift.first} on {drift.drifted}")
+    return found, fingerprint(net), checked
+
+
+def _join_checked_while_everyone_trains(counts: list[int]) -> dict[str, Any]:
+    _, plain, _ = _join_run(counts, None, None)
+    clean, watched, checked = _join_run(counts, 1, None)
+    caught, repaired, _ = _join_run(counts, 1, drift_at=2)
+    return {"clean": clean, "checked": checked, "same": watched == plain, "caught": caught,
+            "repaired": repaired == plain}
+
+
+def test_join_drift_checks_run_while_every_rank_has_data(world: World) -> None:
+    """A rank out of data stops stepping until the join ends (its replica differs by
+    design), and issues no drift check: before, the others' check met its join handshake
+    (gloo: "Received data size doesn't match", SIGABRT). Checks wait for every rank."""
+    counts = [5, 3] if world.world_size == 2 else [5, 3, 4]
+    for rank, r in enumerate(world.run(_join_checked_while_everyone_trains, counts)):
+        assert r["clean"] == [] and r["same"]
+        assert r["checked"] == [1, 2, 3][:counts[rank]]
+        assert r["caught"] == ["2: parameter '2.weight' on [1]"] and r["repaired"]

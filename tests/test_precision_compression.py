@@ -43,6 +43,76 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip(world: World) -> None:
     assert len({r[2] for r in results}) == 1  # replicas identical
 
 
+OVERFLOW_AT = 3  # a step only rank 0 still has data for
+
+
+def check_join_with_loss_scaler(counts: list[int], sync_final_model: bool
+                                ) -> tuple[float, str, dict[str, float]]:
+    """Uneven inputs under join() with a LossScaler given to it. fp32 math: scaling by a
+    power of 2 is exact, so the weights must be a single process's, DDP's way (divided by
+    the initial world size), without the step that overflowed on rank 0 alone while the
+    others were out of data."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    net, reference = make_model("mlp"), make_model("mlp")
+    model = lockstep.DataParallel(net)
+    opt, ref_opt = sgd(model.parameters()), sgd(reference.parameters())
+    scaler = lockstep.LossScaler(init_scale=1024.0, growth_interval=2)
+    with model.join([opt, scaler], sync_final_model=sync_final_model):
+        for step in range(counts[rank]):
+            opt.zero_grad()
+            scaler.scale(loss_of("mlp", model, *batch("mlp", step * n + rank, 8))).backward()
+            if step == OVERFLOW_AT:
+                net[0].weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+    for step in range(max(counts)):
+        active = [r for r in range(n) if step < counts[r]]
+        ref_opt.zero_grad()
+        sum(loss_of("mlp", reference, *batch("mlp", step * n + r, 8))  # type: ignore[union-attr]
+            for r in active).div(n).backward()
+        if step != OVERFLOW_AT:
+            ref_opt.step()
+    gap = max((p - q).abs().max().item()
+              for p, q in zip(net.parameters(), reference.parameters(), strict=True))
+    return gap, digest(net), scaler.state_dict()
+
+
+def test_join_with_a_loss_scaler_is_exact_and_keeps_one_scale(world: World) -> None:
+    """Before, the scaler's overflow all-reduce met a rank out of data still waiting in
+    join's handshake: a desync, then the collective timeout (issue 28's sweep)."""
+    counts = [5, 2] if world.world_size == 2 else [5, 2, 0]
+    results = world.run(check_join_with_loss_scaler, counts, True)
+    assert max(r[0] for r in results) < 5e-5
+    assert len({r[1] for r in results}) == 1
+    # Without the final sync, the ranks out of data followed every vote themselves:
+    # 1024 -> 2048 (two good steps) -> 1024 (the overflow) -> one good step.
+    for _, _, scaler in world.run(check_join_with_loss_scaler, counts, False):
+        assert scaler == {"scale": 1024.0, "good_steps": 1, "skipped_steps": 1}
+
+
+def check_scaler_not_given_to_join(counts: list[int]) -> str:
+    world = lockstep.init()
+    model = lockstep.DataParallel(make_model("mlp"))
+    opt, scaler = sgd(model.parameters()), lockstep.LossScaler()
+    try:
+        with model.join([opt]):
+            for step in range(counts[world.rank]):
+                scaler.scale(loss_of("mlp", model, *batch("mlp", step, 8))).backward()
+                scaler.step(opt)
+    except lockstep.JoinError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_scaler_not_given_to_join_is_refused_on_every_rank(world: World) -> None:
+    """Every rank -- the one out of data from the start too -- gets the reason, at once."""
+    counts = [2, 0] if world.world_size == 2 else [2, 1, 0]
+    for rank, said in enumerate(world.run(check_scaler_not_given_to_join, counts,
+                                          deadline_s=60)):
+        assert said.startswith(f"rank {rank}: a LossScaler not given to join()"), said
+        assert "model.join([optimizer, scaler])" in said
+
+
 def check_precision_training(precision: str, run_dir: str) -> float:
     lockstep.init()
     train_set, test_set = digit_sets()

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from lockstep import comm
+from lockstep.replication.join import joined
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -58,6 +59,10 @@ class LossScaler:
         scaler.scale(loss).backward()
         scaler.unscale_(optimizer)        # optional: before clipping gradients
         scaler.step(optimizer)            # skipped on every rank if any rank overflowed
+
+    Under `model.join()`, pass the scaler along with the optimizers
+    (`model.join([optimizer, scaler])`): a rank that ran out of data then answers the
+    overflow vote and keeps the same scale as the others.
     """
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
@@ -85,10 +90,24 @@ class LossScaler:
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(
                 grads, found, torch.full((1,), 1.0 / self.scale_value, device=found.device))
+        self._unscaled, self._found_inf = optimizer, self._agree(bool(found.item() > 0))
+        return self._found_inf
+
+    def _agree(self, overflowed: bool) -> bool:
+        """Whether any rank overflowed. Under join() the question is a turn of its
+        handshake, which a rank out of data answers too (and then `follow`s)."""
+        join = joined(self.group)
+        if join is not None:
+            return join.vote(self, overflowed)
+        found = comm.control_tensor([float(overflowed)], self.group, torch.float32)
         comm.all_reduce(found, "loss scaler: agree whether any rank overflowed", self.group,
                         op=torch.distributed.ReduceOp.MAX)
-        self._unscaled, self._found_inf = optimizer, bool(found.item() > 0)
-        return self._found_inf
+        return bool(found.item() > 0)
+
+    def follow(self, verdict: bool) -> None:
+        """A step this rank sat out under join() (it had run out of data): keep the scale
+        every other rank keeps. `verdict`: whether some rank overflowed."""
+        self._update(stepped=not verdict)
 
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless some rank overflowed; adjust the scale. Returns whether it stepped."""

@@ -33,12 +33,13 @@ from lockstep.replication.commhook import CommHook, check_comm_hook
 from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
 from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
 from lockstep.replication.drift import replicated
-from lockstep.replication.join import Join, JoinError, JoinHook
+from lockstep.replication.join import Join, JoinHook
+from lockstep.replication.join_hook import ReplicaJoinHook
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.ownership import Owned, claim, owner_of
+from lockstep.replication.precision import LossScaler
 from lockstep.replication.reducer import Reducer, requires_grad_mask, trainable
 from lockstep.replication.reduction import Reduction
-from lockstep.replication.syncbn import SyncBatchNorm
 
 log = get_logger(__name__)
 
@@ -268,7 +269,7 @@ class DataParallel(nn.Module):
             self.require_backward_grad_sync = previous
 
     @contextmanager
-    def join(self, optimizers: Sequence[torch.optim.Optimizer] = (),
+    def join(self, optimizers: Sequence[torch.optim.Optimizer | LossScaler] = (),
              sync_final_model: bool = True, *, divide_by_initial_world_size: bool = True,
              enable: bool = True) -> Iterator[None]:
         """Train on uneven inputs: a rank that runs out of batches early keeps matching the
@@ -280,23 +281,26 @@ class DataParallel(nn.Module):
         Pass the optimizers: ranks that stopped early skipped steps, so at the end their
         state (momentum, Adam moments) is replaced by that of a rank that trained to the
         end, along with the parameters and (if broadcast_buffers) the buffers -- otherwise
-        replicas drift apart on the next step. Each grad-enabled forward inside must be
-        followed by one backward.
+        replicas drift apart on the next step. Pass a LossScaler with them
+        (`model.join([optimizer, scaler])`): its overflow vote at each step is then
+        answered by the ranks out of data, whose scale follows. Each grad-enabled forward
+        inside must be followed by one backward.
         """
         if not enable:
             yield
             return
         hook = self._join_hook(list(optimizers), sync_final_model)
-        self._join = Join(hook, self.group, divide_by_initial_world_size)
+        voters = [o for o in optimizers if isinstance(o, LossScaler)]
+        self._join = Join(hook, self.group, divide_by_initial_world_size, voters)
         try:
-            yield
-            self._join.finish()
+            with self._join.in_force():
+                yield
+                self._join.finish()
         finally:
             self._join = None
 
-    def _join_hook(self, optimizers: list[torch.optim.Optimizer],
-                   sync_final_model: bool) -> JoinHook:
-        return _ReplicaJoinHook(self, optimizers, sync_final_model)
+    def _join_hook(self, optimizers: list[Any], sync_final_model: bool) -> JoinHook:
+        return ReplicaJoinHook(self, optimizers, sync_final_model)
 
     # ---- what the training loop asks of every parallel model (trainer.Replica) ----------
 
@@ -304,7 +308,9 @@ class DataParallel(nn.Module):
         """Nothing to do after an optimizer step: gradients were averaged in backward."""
 
     def in_sync(self) -> bool:
-        return True  # every replica took the same step
+        """Every replica took the same step -- but under join() once a rank ran out of
+        data: it stops stepping until the join ends and re-synchronises the replicas."""
+        return self._join is None or self._join.everyone_active()
 
     def finish(self) -> None:
         """Nothing to close at the end of training."""
@@ -353,46 +359,3 @@ class DataParallel(nn.Module):
         full parameters back: a collective, so every rank must call close()). Idempotent."""
         if self._release.alive:
             self._release()
-
-
-class _ReplicaJoinHook:
-    """What `join` needs of a DataParallel (join.JoinHook)."""
-
-    def __init__(self, model: DataParallel, optimizers: list[torch.optim.Optimizer],
-                 sync_final_model: bool) -> None:
-        self.model, self.optimizers = model, optimizers
-        self.sync_final_model = sync_final_model
-        rank = comm.rank_of(model.group)
-        if any(isinstance(m, SyncBatchNorm) for m in model.module.modules()):
-            raise JoinError(f"rank {rank}: join() cannot stand in for SyncBatchNorm's own "
-                            "collectives in its forward and backward; give every rank the "
-                            "same number of batches instead (ShardedSampler with drop_last)")
-
-    def set_divisor(self, ranks: int) -> None:
-        self.model.reducer.divisor = ranks
-
-    def shadow_step(self, sync: bool, source: int) -> None:
-        self.model.reducer.prepare_forward(sync)
-        self.model.sync_buffers(sync)
-        # A step further where a real forward counts one (_before_training_forward): the
-        # backward's collectives then carry the same step number on every rank, so the
-        # watchdog sees no desync, and shadowing reads as progress, not as a rank behind.
-        reporter.advance()
-        if sync:
-            self.model.reducer.shadow_backward()
-
-    def sync_final(self, source: int) -> None:
-        if not self.sync_final_model:
-            return
-        model, group = self.model, self.model.group
-        tensors: list[torch.Tensor] = [*model.module.parameters()]
-        if model.broadcast_buffers:
-            tensors += [*model.module.buffers()]
-        comm.broadcast_tensors(tensors, source, "join: final broadcast of the model", group)
-        mine = comm.rank_of(group) == source
-        for optimizer in self.optimizers:
-            # A rank that stopped early may hold no state at all yet: send the whole dict.
-            state = comm.broadcast_object(optimizer.state_dict() if mine else None, source,
-                                          "join: final broadcast of optimizer state", group)
-            if not mine:
-                optimizer.load_state_dict(state)

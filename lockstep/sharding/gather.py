@@ -49,7 +49,10 @@ class Gatherer:
                        if any(id(p) in unit_of for p in sub.parameters(recurse=False))]
         self._handles = []
         for sub in self.owners:
-            units = sorted({unit_of[id(p)] for p in sub.parameters(recurse=False)})
+            # A frozen parameter is in no unit: it stays whole on every rank (as DDP leaves
+            # it alone), also beside a trainable one in the same module.
+            units = sorted({unit_of[id(p)] for p in sub.parameters(recurse=False)
+                            if id(p) in unit_of})
             self._handles += [sub.register_forward_pre_hook(self._before(units)),
                               sub.register_forward_hook(self._after(units)),
                               sub.register_state_dict_pre_hook(self._refuse_state_dict)]

@@ -97,8 +97,7 @@ class ShardedDataParallel(DataParallel):
 
         return ZeroOptimizer(self.zero_groups, self.stage, self.group, make)
 
-    def _join_hook(self, optimizers: list[torch.optim.Optimizer],
-                   sync_final_model: bool) -> JoinHook:
+    def _join_hook(self, optimizers: list[Any], sync_final_model: bool) -> JoinHook:
         raise JoinError(f"rank {comm.rank_of(self.group)}: join() does not shadow ZeRO's "
                         "reduce-scatters and gathers; give every rank the same number of "
                         "batches")
