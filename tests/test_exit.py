@@ -54,3 +54,47 @@ def test_exit_waits_for_the_progress_thread_to_leave_its_store_call() -> None:
     assert "script done" in done.stdout
     assert done.returncode == 0, done.stderr
     assert "terminate called" not in done.stderr
+
+
+# A wrapper still alive when the script ends, as a module-level model is: the ring algorithm
+# runs a thread of its own and a process group of its own. The probe is registered before
+# lockstep's exit hook, so it runs after it, as the interpreter starts finalizing.
+ALIVE_AT_EXIT = textwrap.dedent("""
+    import atexit, os, threading
+    import torch
+    from torch import nn
+    import lockstep
+
+    def gloo_threads():
+        names = [open(f"/proc/self/task/{t}/comm").read().strip()
+                 for t in os.listdir("/proc/self/task")]
+        return sum(name.startswith(("pt_gloo", "gloo_")) for name in names)
+
+    def probe():
+        own = [t.name for t in threading.enumerate() if t.name.startswith("lockstep")]
+        print(f"left {gloo_threads()} of {world_only} gloo threads, {own}", flush=True)
+
+    atexit.register(probe)
+    world = lockstep.init()
+    world_only = gloo_threads()  # the default group's own
+    model = lockstep.DataParallel(nn.Linear(4, 2), algorithm="ring")
+    model(torch.randn(3, 4)).sum().backward()
+""")
+
+
+def test_exit_ends_the_threads_and_groups_of_wrappers_still_alive(tmp_path: Path) -> None:
+    # Before: the wrapper's ring thread and the gloo threads of its own group (and of any
+    # group it held) ran on into the interpreter's finalization, while peers exited and
+    # closed the connections under them: finding 9 and 13 of issue 28.
+    script = tmp_path / "alive_at_exit.py"
+    script.write_text(ALIVE_AT_EXIT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "run", "-n", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("left ")]
+    assert len(lines) == 2, done.stdout + done.stderr
+    for line in lines:
+        left, _, world_only = line.split()[1:4]
+        assert int(left) <= int(world_only) and line.endswith("[]"), line

@@ -8,6 +8,8 @@ runs unchanged on a laptop, under `lockstep run -n 4`, and across hosts.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import os
 import socket
 import threading
@@ -163,17 +165,38 @@ def _register_exit_once() -> None:
         _exit_registered = True
 
 
+_before_exit: list[Callable[[], None]] = []
+
+
+def before_exit(release: Callable[[], None]) -> None:
+    """Run `release` at exit before the process groups go (the layers above give back the
+    threads and groups of what is still alive: replication/ownership.py). Local only: by
+    then a peer may have exited, so `release` must issue no collective."""
+    _before_exit.append(release)
+
+
 def _at_exit() -> None:
     """Say this rank has left (so waiting peers can name it), then tear the group down:
     exiting with a live Gloo group intermittently aborts the process in torch's teardown
     ("terminate called without an active exception"), which a launcher reports as a crash.
     The progress thread stops first, waited for until it has: it must not be inside a store
-    call meanwhile, nor when the interpreter finalizes (diagnostics.ProgressReporter.stop)."""
+    call meanwhile, nor when the interpreter finalizes (diagnostics.ProgressReporter.stop).
+
+    destroy_process_group only forgets the groups: Gloo's threads (pt_gloo_runloop,
+    gloo_tcp_loop) and the store's run until the last Python reference to a group goes.
+    A wrapper still alive at exit holds its own groups, and reference cycles hold others
+    until a collection, so they would run on through the interpreter's finalization, while
+    peers exit and close the connections under them. So what is alive is released first,
+    and a collection ends the groups left in cycles now, while the interpreter is whole."""
     reporter.stop((_world.timeout if _world is not None else DEFAULT_TIMEOUT).total_seconds())
     watchdog.flush()
     reporter.publish_exit()
+    for release in _before_exit:
+        with contextlib.suppress(Exception):  # exit goes on: the rest still needs releasing
+            release()
     if dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def _init_from_env(backend: str, timeout: timedelta) -> World:

@@ -65,6 +65,7 @@ class Native(AllReduce):
     def close(self) -> None:
         if self._own_group:
             comm.destroy_group(self.group)
+            self.group = None  # Gloo's threads for the group end with its last reference
 
 
 class _FutureHandle:
@@ -122,6 +123,8 @@ class Worker:
 class Threaded(AllReduce):
     """Runs `reduce` for each bucket on a Worker thread, in the order buckets started."""
 
+    group: comm.Group = None  # a group of its own, if it has one (given back by close)
+
     def __init__(self) -> None:
         self._worker = Worker(self.name)
 
@@ -133,7 +136,8 @@ class Threaded(AllReduce):
 
     def close(self) -> None:
         self._worker.close()
-        comm.destroy_group(getattr(self, "group", None))
+        comm.destroy_group(self.group)
+        self.group = None  # Gloo's threads for the group end with its last reference
 
 
 class _PointToPoint(Threaded):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lockstep.comm.world import before_exit
 from lockstep.replication.reducer import Reducer
 from lockstep.replication.reduction import Reduction
 
@@ -42,6 +43,11 @@ class Owned:
             release()
 
 
+# Wrappers that claimed parameters (weakly): at exit each one not yet closed gives back its
+# threads and groups before the process group goes -- as its finalizer would, but while
+# the interpreter is whole and the groups can still end their Gloo threads (comm/world.py).
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
 # Which live wrapper reduces each parameter's gradient (weakly: a dropped wrapper is
 # collected, and its entries go with it).
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -49,6 +55,7 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def claim(param: torch.Tensor, wrapper: Any) -> None:
     _OWNERS[param] = weakref.ref(wrapper)
+    _LIVE.add(wrapper)
 
 
 def owner_of(param: torch.Tensor) -> Any:
@@ -56,3 +63,13 @@ def owner_of(param: torch.Tensor) -> Any:
     ref = _OWNERS.get(param)
     wrapper = ref() if ref is not None else None
     return wrapper if wrapper is not None and wrapper._release.alive else None
+
+
+def _release_live() -> None:
+    for wrapper in list(_LIVE):
+        release = getattr(wrapper, "_release", None)  # None: its construction failed
+        if release is not None:
+            release()  # the finalizer: runs once, a no-op for a closed wrapper
+
+
+before_exit(_release_live)
