@@ -138,6 +138,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
         if stall_after is not None:  # a later call may change it
             watchdog.start(stall_s, _world.timeout.total_seconds(), _world.backend)
         return _world
+    _import_what_binds_the_default_group()
     if dist.is_initialized():  # someone else (a test harness, Accelerate...) made the group
         _world = _world_from_group(backend or dist.get_backend(), timeout)
     elif "WORLD_SIZE" not in os.environ:
@@ -153,6 +154,18 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,
              _world.backend, _world.device)
     return _world
+
+
+def _import_what_binds_the_default_group() -> None:
+    """Import torch.distributed.nn before the default group exists. Its functional module
+    binds `group.WORLD` as the default argument of ten functions when first imported, and
+    torch._dynamo imports it (a first torch.compile or compiler.disable, e.g. when a wrapper
+    is built). Imported after the group is made, those defaults hold the group for the life
+    of the process: destroy_process_group cannot end its Gloo threads, which then run on
+    through the interpreter's finalization -- where a native thread that needs the GIL
+    aborts the process ("terminate called without an active exception"). Imported first,
+    the defaults are None. (A group made before lockstep.init is beyond this.)"""
+    import torch.distributed.nn  # noqa: F401
 
 
 _exit_registered = False
