@@ -238,6 +238,11 @@ class ParameterServer:
             if self.clock[w] < ahead or (stuck and self.clock[w] > 0):
                 self._drop(w, f"sent nothing for {now - self.last_heard[w]:.0f}s" +
                            ("" if stuck else " while others progressed"))
+                # The others may have been waiting on it (a round it held up): their
+                # silence counts from now, when the drop lets them go on.
+                for other in self._live():
+                    self.last_heard[other] = now
+                return
 
     def _drop(self, w: int, reason: str) -> None:
         log.warning("parameter server: worker rank %d %s; treating it as dead", w, reason)
