@@ -155,6 +155,9 @@ class Cluster:
         if not os.path.isdir(_NETNS_ETC):
             self._made.append(f"dir:{_NETNS_ETC}")  # removed at teardown only if empty
             os.makedirs(_NETNS_ETC, exist_ok=True)
+        if os.path.lexists(folder):  # not ours: never written into, never removed
+            raise RuntimeError(f"lockstep cluster: {folder} already exists and was not made "
+                               "by this cluster; remove it if it is left from another run")
         self._made.append(f"dir:{folder}")
         os.mkdir(folder)
         self._made.append(f"file:{folder}/hosts")
