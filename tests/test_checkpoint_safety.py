@@ -23,9 +23,11 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import lockstep
 from lockstep import comm
@@ -152,7 +154,9 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def check_hostile_checkpoints(root: str, marker: str) -> list[dict[str, object]]:
+def two_checkpoints(root: str) -> tuple[Any, nn.Module, torch.optim.Optimizer, Path, Path]:
+    """Checkpoints at steps 1 and 2 of a trained MLP, and a pristine copy of the newest
+    (rank 0's), from which each case restores it before planting something."""
     world = lockstep.init()
     model = make_model("mlp")
     opt = sgd(model.parameters())
@@ -163,6 +167,11 @@ def check_hostile_checkpoints(root: str, marker: str) -> list[dict[str, object]]
     pristine = Path(root).parent / "pristine"
     if world.is_main:
         shutil.copytree(newest, pristine)
+    return world, model, opt, newest, pristine
+
+
+def check_hostile_checkpoints(root: str, marker: str) -> list[dict[str, object]]:
+    world, model, opt, newest, pristine = two_checkpoints(root)
     results = []
     for case in CASES:
         planted = ""
@@ -389,16 +398,7 @@ FILE_CASES = ["MANIFEST.json is a named pipe", "a named pipe listed in the manif
 
 
 def check_hostile_files(root: str, private: str) -> list[dict[str, object]]:
-    world = lockstep.init()
-    model = make_model("mlp")
-    opt = sgd(model.parameters())
-    model(torch.zeros(2, 64)).sum().backward()
-    opt.step()
-    checkpoint.save(root, 1, model, opt, {})
-    newest = checkpoint.save(root, 2, model, opt, {})
-    pristine = Path(root).parent / "pristine"
-    if world.is_main:
-        shutil.copytree(newest, pristine)
+    world, model, opt, newest, pristine = two_checkpoints(root)
     results = []
     for case in FILE_CASES:
         planted = ""
