@@ -169,6 +169,24 @@ def test_zero3_drift_check_is_refused_with_the_reason(world: World) -> None:
         assert "no copy on another rank" in said
 
 
+def step_drift_and_check(model: Any, net: nn.Module, optimizer: Any, check: Any, step: int,
+                         rank: int, drift_at: int, found: list[str], checked: list[int]) -> None:
+    """One training step; rank 1's replica goes astray at `drift_at`; the check when due
+    (its findings appended to `found`, the steps checked to `checked`)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.after_step()
+    if step == drift_at and rank == 1:
+        with torch.no_grad():
+            net[2].weight.add_(0.25)
+    if check is not None and check.due(step):
+        checked.append(step)
+        if drift := check.check_and_repair(step, [optimizer]):
+            found.append(f"{drift.step}: {drift.first} on {drift.drifted}")
+
+
 def _rounds_run(kind: str, check_every: int | None, drift_at: int | None
                 ) -> tuple[list[str], str, list[int]]:
     """Six steps of local rounds (H=2, Adam inside) with a drift check every
@@ -184,18 +202,7 @@ def _rounds_run(kind: str, check_every: int | None, drift_at: int | None
     check = DriftCheck(model, every=check_every) if check_every else None
     found, checked = [], []
     for step in range(1, 7):
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        model.after_step()
-        if step == drift_at and rank == 1:
-            with torch.no_grad():
-                net[2].weight.add_(0.25)
-        if check is not None and check.due(step):
-            checked.append(step)
-            if drift := check.check_and_repair(step, [optimizer]):
-                found.append(f"{drift.step}: {drift.first} on {drift.drifted}")
+        step_drift_and_check(model, net, optimizer, check, step, rank, drift_at, found, checked)
     return found, fingerprint(net), checked
 
 
@@ -234,17 +241,8 @@ def _join_run(counts: list[int], check_every: int | None, drift_at: int | None
     found, checked = [], []
     with model.join([optimizer]):
         for step in range(1, counts[rank] + 1):
-            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
-            model(x).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            if step == drift_at and rank == 1:
-                with torch.no_grad():
-                    net[2].weight.add_(0.25)
-            if check is not None and check.due(step):
-                checked.append(step)
-                if drift := check.check_and_repair(step, [optimizer]):
-                    found.append(f"{drift.step}: {drift.first} on {drift.drifted}")
+            step_drift_and_check(model, net, optimizer, check, step, rank, drift_at, found,
+                                 checked)
     return found, fingerprint(net), checked
 
 
