@@ -612,18 +612,24 @@ def test_checkpointing_the_whole_wrapped_model_with_shared_weights(world: World)
 # ---- issue 28, finding 7: join's default divisor, as DDP's -----------------------------------
 
 
-def check_join_default(wrapper: str) -> nn.Module:
-    """join() without arguments: the finished ranks count as zeros (DDP's default)."""
+def train_joined(model: nn.Module, net: nn.Module, pattern: str) -> nn.Module:
+    """The MLP trained under `model.join()` (lockstep's or DDP's) on uneven inputs."""
     world = lockstep.init()
-    net = make_model("mlp")
-    model: nn.Module = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
     opt = make_optimizer("sgd", net.parameters())
     with model.join():  # type: ignore[operator]
-        for i in range(_join_batches("short-first", world.rank, world.world_size)):
+        for i in range(_join_batches(pattern, world.rank, world.world_size)):
             loss_of("mlp", model, *batch("mlp", 100 * i + world.rank, 5)).backward()
             opt.step()
             opt.zero_grad()
     return net
+
+
+def check_join_default(wrapper: str) -> nn.Module:
+    """join() without arguments: the finished ranks count as zeros (DDP's default)."""
+    lockstep.init()
+    net = make_model("mlp")
+    model: nn.Module = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net)
+    return train_joined(model, net, "short-first")
 
 
 def test_join_divides_by_the_initial_world_size_by_default(world: World) -> None:
@@ -772,17 +778,11 @@ def _join_with_hook(wrapper: str) -> nn.Module:
     """Under join, a rank out of data runs the hook on zeros, as DDP's does."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    world = lockstep.init()
+    lockstep.init()
     net = make_model("mlp")
     model = DDP(net) if wrapper == "ddp" else lockstep.DataParallel(net, bucket_mb=0.01)
     model.register_comm_hook(None, default_hooks.allreduce_hook)  # type: ignore[operator]
-    opt = make_optimizer("sgd", net.parameters())
-    with model.join():  # type: ignore[operator]
-        for i in range(_join_batches("short-last", world.rank, world.world_size)):
-            loss_of("mlp", model, *batch("mlp", 100 * i + world.rank, 5)).backward()
-            opt.step()
-            opt.zero_grad()
-    return net
+    return train_joined(model, net, "short-last")
 
 
 def test_comm_hooks_give_ddps_gradients(world: World) -> None:
