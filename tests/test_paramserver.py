@@ -163,3 +163,15 @@ def test_async_refuses_sync_batchnorm_before_training(world2: World, tmp_path: P
     for rank, said in enumerate(world2.run(build_async_with_sync_batchnorm, str(tmp_path))):
         assert said.startswith(f"rank {rank}: asynchronous training refuses SyncBatchNorm")
         assert "Use plain BatchNorm" in said
+
+
+def test_a_late_look_drops_the_laggard_not_the_worker_it_held_up() -> None:
+    """Seen under load: the server looked only after both silences had passed the bound --
+    worker 2 gone at round 3, worker 1 (at round 4) waiting on the round worker 2 held up.
+    Before, both were dropped ('every worker is gone'); only the laggard is dead."""
+    drop = lockstep.lowcomm.paramserver.silent_to_drop
+    assert drop({1: 6.0, 2: 8.0}, {1: 4, 2: 3}) == ([2], True)
+    assert drop({2: 8.0}, {1: 4, 2: 3}) == ([2], False)  # others progressed without it
+    assert drop({1: 6.0}, {1: 4, 2: 3}) == ([], False)  # ahead, waiting: not dead
+    assert drop({1: 6.0, 2: 8.0}, {1: 4, 2: 4}) == ([1, 2], True)  # nothing will come
+    assert drop({1: 6.0, 2: 8.0}, {1: 0, 2: 0}) == ([], True)  # may still be starting

@@ -230,25 +230,38 @@ class ParameterServer:
                 if self.store.check([f"{self.prefix}failed/{w}"]):
                     reason = self.store.get(f"{self.prefix}failed/{w}").decode(errors="replace")
                     self._drop(w, f"failed: {reason}")
-        live = self._live()
-        ahead = max((self.clock[w] for w in live), default=0)
-        silent = [w for w in live if now - self.last_heard[w] > self.dead_after_s]
-        stuck = len(silent) == len(live)  # no live worker has been heard from lately
-        for w in silent:  # (one not heard from yet may still be starting: it must fail())
-            if self.clock[w] < ahead or (stuck and self.clock[w] > 0):
-                self._drop(w, f"sent nothing for {now - self.last_heard[w]:.0f}s" +
-                           ("" if stuck else " while others progressed"))
-                # The others may have been waiting on it (a round it held up): their
-                # silence counts from now, when the drop lets them go on.
-                for other in self._live():
-                    self.last_heard[other] = now
-                return
+        silent = {w: now - self.last_heard[w] for w in self._live()
+                  if now - self.last_heard[w] > self.dead_after_s}
+        dead, stuck = silent_to_drop(silent, {w: self.clock[w] for w in self._live()})
+        for w in dead:
+            self._drop(w, f"sent nothing for {silent[w]:.0f}s" +
+                       ("" if stuck else " while others progressed"))
+        if dead:  # the others may have been waiting on a round the dead held up: their
+            for other in self._live():  # silence counts from now, when the drop frees them
+                self.last_heard[other] = now
 
     def _drop(self, w: int, reason: str) -> None:
         log.warning("parameter server: worker rank %d %s; treating it as dead", w, reason)
         self.gone[w] = reason
         self.stats.dead.append(w)
         self._grant()
+
+
+def silent_to_drop(silent: dict[int, float], clock: dict[int, int]) -> tuple[list[int], bool]:
+    """Which silent workers are dead, given every live worker's clock (gradients applied),
+    and whether the job was stuck (no live worker heard from lately).
+
+    A silent worker behind the others is dead: they progressed without it. When every
+    live worker is silent, those behind go first -- the ones ahead may only be waiting on
+    the round the laggards hold up (a loaded machine can let both silences pass the bound
+    before the server looks). Only when none is behind is everyone who has pushed dead:
+    nothing will ever come. One that never pushed may still be starting: it must fail()."""
+    ahead = max(clock.values(), default=0)
+    stuck = bool(silent) and len(silent) == len(clock)
+    behind = [w for w in sorted(silent) if clock[w] < ahead]
+    if behind or not stuck:
+        return behind, stuck
+    return [w for w in sorted(silent) if clock[w] > 0], stuck
 
 
 class Worker:
