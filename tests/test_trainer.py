@@ -323,3 +323,28 @@ def test_logged_throughput_excludes_evaluation_and_callbacks(world2: World,
     # bound relative to this run's own speed holds on a loaded machine (a fixed one, 960
     # samples/s, did not).
     assert len(speeds) == 2 and min(speeds) > 2.5 * wall, (speeds, wall)
+
+
+def train_with_step_lr(run_dir: str, steps: int) -> list[torch.Tensor]:
+    """The tests' run for `steps` steps, with a StepLR scheduler that halves the rate every
+    10 steps, resuming from run_dir's checkpoint if there is one."""
+    lockstep.init()
+    train_set, test_set = digit_sets()
+    trainer = lockstep.Trainer(
+        make_model("mlp"), sgd, train_set, test_set, config=config(
+            run_dir, resume="auto", checkpoint_every_steps=5, max_steps=steps),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5))
+    trainer.fit()
+    return [t.clone() for t in trainer.model.module.state_dict().values()]
+
+
+def test_a_resumed_run_goes_on_at_the_learning_rate_its_scheduler_had_reached(
+        world2: World, tmp_path: Path) -> None:
+    """A scheduler that scales the optimizer's current rate (StepLR) needs that rate back:
+    before, a checkpoint kept only the optimizer's state tensors, and a run resumed at step
+    15 trained at 0.05 again instead of 0.025 (its weights 0.1 off the uninterrupted run's)."""
+    whole = world2.run(train_with_step_lr, str(tmp_path / "whole"), 25)[0]
+    world2.run(train_with_step_lr, str(tmp_path / "resumed"), 15)
+    resumed = world2.run(train_with_step_lr, str(tmp_path / "resumed"), 25)[0]
+    for a, b in zip(whole, resumed, strict=True):
+        assert torch.equal(a, b)

@@ -34,9 +34,33 @@ def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
     it (checkpoint_files.fill) writes straight into the model and optimizer."""
     if isinstance(model, ShardedDataParallel):
         _ensure_state(optimizer.inner)
-        return {**_sharded(model.zero_groups, optimizer), **_replicated(model.module)}
+        return {**_sharded(model.zero_groups, optimizer), **_replicated(model.module),
+                GROUPS: _settings(optimizer.inner)}
     _ensure_state(optimizer)
-    return {**_whole(model.module, optimizer), **_replicated(model.module)}
+    return {**_whole(model.module, optimizer), **_replicated(model.module),
+            GROUPS: _settings(optimizer)}
+
+
+GROUPS = "optim_groups"
+"""The optimizer's settings per parameter group (lr, momentum, betas, ...): a learning-rate
+scheduler that scales the current rate (StepLR, ReduceLROnPlateau) needs the rate it had
+reached, and a resumed run without it went on at the initial one."""
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    """Each group's numeric settings (lr, momentum, betas, weight decay), as values a
+    checkpoint keeps; loading fills them in place, and after_load hands them back. Not the
+    flags (foreach, fused, maximize): how to compute is this run's choice."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return bool(value) and all(number(v) for v in value)
+        return number(value)
+
+    return {str(i): {k: v for k, v in group.items() if k != "params" and plain(v)}
+            for i, group in enumerate(optimizer.param_groups)}
 
 
 def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
@@ -44,6 +68,8 @@ def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
     parameter's state -- give it to all; stages 1-2 refill whole parameters from shards."""
     sharded = isinstance(model, ShardedDataParallel)
     inner = optimizer.inner if sharded else optimizer
+    for index, settings in loaded.get(GROUPS, {}).items():
+        inner.param_groups[int(index)].update(settings)
     for key, value in loaded.items():
         if key.startswith("optim.") and key.count(".") == 1 and isinstance(value, torch.Tensor):
             for state in inner.state.values():

@@ -32,6 +32,8 @@ TENSORS = "tensors-rank{}.safetensors"
 _PIECES, _VALUES, _RANKS = "lockstep.pieces", "lockstep.values", "lockstep.ranks"
 _SHAPES = "lockstep.shapes"  # the model's own shapes of flattened tensors, for messages
 _MAX_RANKS = 1 << 20
+OPTIONAL = "optim_groups/"
+"""Plain values a checkpoint written by an earlier lockstep may lack (reshard.GROUPS)."""
 
 
 @dataclass(frozen=True)
@@ -256,10 +258,28 @@ def fill(bundle: dict[str, Any], found: Catalog) -> None:
                 _fill(found, leaf.key, tuple(leaf.value.shape), 0, leaf.value, open_file)
             elif leaf.key in found.values:
                 saved = found.values[leaf.key]  # JSON has no tuples: keep the live kind
+                if not _same_kind(leaf.value, saved):
+                    raise ValueError(f"the checkpoint's value for {leaf.key} is {saved!r}, "
+                                     f"where this run has {leaf.value!r}")
                 tuple_like = isinstance(leaf.value, tuple) and isinstance(saved, list)
                 leaf.container[leaf.slot] = tuple(saved) if tuple_like else saved
-            else:
+            elif not leaf.key.startswith(OPTIONAL):
                 raise ValueError(f"the checkpoint has no value for {leaf.key}")
+            else:  # written before these were kept: the live value stays
+                continue
+
+
+def _same_kind(live: Any, saved: Any) -> bool:
+    """Whether a saved plain value may stand for the live one: a number for a number (a
+    flag for a flag), text for text, a list for a list or tuple of as many such."""
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(live) and all(
+            _same_kind(a, b) for a, b in zip(live, saved, strict=True))
+    if isinstance(live, bool) or isinstance(saved, bool):
+        return isinstance(live, bool) and isinstance(saved, bool)
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float))
+    return type(live) is type(saved)
 
 
 @torch.no_grad()
