@@ -45,7 +45,8 @@ net = small_cnn()
 optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
 job = lockstep.Elastic(net, optimizer, wrap=lambda m: lockstep.DataParallel(
     m, algorithm=args.algorithm, compress=args.compress),
-    config=ElasticConfig(check_every=args.check_every))
+    config=ElasticConfig(check_every=args.check_every),
+    agree={"global_batch": args.global_batch, "epochs": args.epochs})  # a joiner must match
 steps_per_epoch = len(train_set) // args.global_batch  # the tail of each epoch is dropped
 record = Path(args.record) / f"worker-{job.coordinator.id}.jsonl" if args.record else None
 if record is not None:

@@ -125,12 +125,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(out: Path, port: int, nproc: int, args: list[str], log: str
+def _launch(out: Path, port: int, nproc: int, args: list[str], log: str, job: str = JOB
             ) -> subprocess.Popen[bytes]:
     command = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
-               "--rdzv-endpoint", f"127.0.0.1:{port}", JOB, "--out", str(out), *args]
+               "--rdzv-endpoint", f"127.0.0.1:{port}", job, "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(command, stderr=(out / log).open("w"), cwd=ROOT, env=env)
+    return subprocess.Popen(command, stdout=(out / log).open("w"), stderr=subprocess.STDOUT,
+                            cwd=ROOT, env=env)  # (what rank 0 prints too: a resume, say)
 
 
 def _records(out: Path) -> list[dict[str, Any]]:
@@ -152,12 +153,12 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
     raise AssertionError(f"timed out waiting for {why}")
 
 
-def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3
-                     ) -> dict[str, Any]:
+def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
+                     job: str = JOB) -> dict[str, Any]:
     """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
     on without it, a second launcher adds one worker. Returns what happened."""
     port = _free_port()
-    first = _launch(out, port, nproc, args, "launcher1.err")
+    first = _launch(out, port, nproc, args, "launcher1.err", job)
     second = None
     try:
         victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1, 90,
@@ -166,7 +167,7 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3
         killed = time.time()
         resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
                             "the survivors to resume")
-        second = _launch(out, port, 1, args, "launcher2.err")
+        second = _launch(out, port, 1, args, "launcher2.err", job)
         assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
     finally:
         for launcher in (first, second):
@@ -178,7 +179,8 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3
 
 
 def _check_history(run: dict[str, Any], steps: int, global_batch: int,
-                   round_steps: int = 0) -> list[dict[str, Any]]:
+                   round_steps: int = 0, order: Any = elastic_job.order
+                   ) -> list[dict[str, Any]]:
     """No restart, a prompt resume, the world back to its size, every global batch trained
     exactly once by the membership that committed the step, at most one step redone. Returns
     the final records.
@@ -205,7 +207,7 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int,
             max(r["epoch"] for r in attempts if r["attempt"] == step)
         used = sorted(i for r in attempts if r["attempt"] == step and r["epoch"] == epoch
                       for i in r["indices"])
-        permutation, within = elastic_job.order(step, global_batch)
+        permutation, within = order(step, global_batch)
         expected = sorted(permutation[within * global_batch:][:global_batch].tolist())
         if round_steps and step // round_steps == died // round_steps:
             assert len(set(used)) == len(used) and set(used) <= set(expected), step

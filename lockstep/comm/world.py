@@ -138,7 +138,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
         if stall_after is not None:  # a later call may change it
             watchdog.start(stall_s, _world.timeout.total_seconds(), _world.backend)
         return _world
-    _import_what_binds_the_default_group()
+    import_what_binds_the_default_group()
     if dist.is_initialized():  # someone else (a test harness, Accelerate...) made the group
         _world = _world_from_group(backend or dist.get_backend(), timeout)
     elif "WORLD_SIZE" not in os.environ:
@@ -150,13 +150,13 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
         _world = _init_from_env(_pick_backend(backend), timeout)
     setup_logging(_world.rank)
     watchdog.start(stall_s, timeout.total_seconds(), _world.backend)
-    _register_exit_once()
+    register_exit_once()
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,
              _world.backend, _world.device)
     return _world
 
 
-def _import_what_binds_the_default_group() -> None:
+def import_what_binds_the_default_group() -> None:
     """Import torch.distributed.nn before the default group exists. Its functional module
     binds `group.WORLD` as the default argument of ten functions when first imported, and
     torch._dynamo imports it (a first torch.compile or compiler.disable, e.g. when a wrapper
@@ -171,7 +171,7 @@ def _import_what_binds_the_default_group() -> None:
 _exit_registered = False
 
 
-def _register_exit_once() -> None:
+def register_exit_once() -> None:
     global _exit_registered
     if not _exit_registered:
         atexit.register(_at_exit)

@@ -42,7 +42,14 @@ from lockstep.comm.world import World, current
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE, ElasticConfig
 from lockstep.elastic.handover import hand_over
 from lockstep.elastic.membership import Membership, describe, install, report
-from lockstep.elastic.quorum import Coordinator, Excluded
+from lockstep.elastic.quorum import (
+    Coordinator,
+    Excluded,
+    QuorumError,
+    StoreGone,
+    store_gone,
+)
+from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
 
@@ -64,6 +71,8 @@ def batch_slice(step: int, global_batch: int, rank: int, world_size: int) -> ran
 def membership_failure(error: BaseException) -> bool:
     """Whether `error` says a peer is gone or unreachable (and the membership must be
     agreed again), rather than a fault in this rank's own work."""
+    if isinstance(error, StoreGone):  # nobody left to agree through: not survivable
+        return False
     if isinstance(error, (comm.CollectiveError, dist.DistError)):
         return True
     text = str(error)
@@ -88,18 +97,24 @@ class Elastic:
             step belong here, so they count exactly once per committed step.
         config: timing and the drift check (ElasticConfig).
         address: the job's store, HOST:PORT (default: the LOCKSTEP_ELASTIC variable).
+        agree: what else decides the training besides the model and optimizer (the
+            global batch, the data's size and seed: JSON values). A worker that asks to
+            join a running job with other terms is refused with the reason (terms.py).
 
     Attributes: `model` (the current wrapper: use it, not a variable kept from before),
     `world` (rank and size now), `step` (steps committed by the job), `completed_here`
     (False when the last step was completed by peers and this rank brought level from
-    them), `lineage` (which membership epoch committed which steps: [first step, epoch]).
+    them), `lineage` (which membership epoch committed which steps: [first step, epoch]),
+    `membership` (the current members: its `epoch`, `ids`, `hosts`, `rank`),
+    `coordinator.id` (this worker's id in the job, which its records and the logs use),
+    `joined_running` (this worker joined a job already training: it received its state).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  wrap: Callable[[nn.Module], nn.Module] | None = None, *,
                  state: Mapping[str, Any] | None = None, config: ElasticConfig | None = None,
-                 update: Callable[[], None] | None = None, address: str | None = None
-                 ) -> None:
+                 update: Callable[[], None] | None = None, address: str | None = None,
+                 agree: Mapping[str, Any] | None = None) -> None:
         from lockstep.replication.replica import DataParallel
 
         self.module, self.optimizer = module, optimizer
@@ -117,10 +132,14 @@ class Elastic:
         self.completed_here = False  # see the class docstring
         self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
         self.coordinator = Coordinator(_address(address), _host(), self.config,
-                                       int(os.environ.get(ENV_INITIAL, "1")))
+                                       int(os.environ.get(ENV_INITIAL, "1")),
+                                       terms_of(module, optimizer, agree))
         self.drift: DriftCheck | None = None
+        self._target = 0  # the step the current run_step commits
+        self._rejoined = False  # the last regroup left this worker out; it joined again
         started = time.monotonic()
         self._admit(self.coordinator.enter(), rewrap=True, started=started)
+        self.joined_running = self.coordinator.id in self._current().joined
 
     @property
     def world(self) -> World:
@@ -132,9 +151,11 @@ class Elastic:
         """Run global step `self.step` to its commit: `train_step(model, step)` computes
         gradients, the optimizer steps. Returns what `train_step` returned in the attempt
         that counted -- None if the step was completed by peers while this rank's attempt
-        failed (it was then brought level from them)."""
-        start, value = self.step, None
-        while self.step == start:
+        failed (it was then brought level from them). A worker the others went on without
+        (it stalled) joins again and trains the step they are at: `step` then advances by
+        more than one."""
+        self._target, value = self.step, None
+        while self.step == self._target:
             failure: Exception | None = None
             try:
                 value = self._advance(train_step, value)
@@ -166,10 +187,13 @@ class Elastic:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def collective(self, fn: Callable[[], T]) -> T:
+    def collective(self, fn: Callable[[], T], skipped: T | None = None) -> T | None:
         """Run `fn` -- collective work outside a training step that changes no training
         state (an evaluation's all-reduce, a checkpoint) -- again on the new membership
-        if a peer fails during it."""
+        if a peer fails during it. Returns `skipped` without running it when this worker
+        was left out meanwhile and joined again at a later step: the others did this work
+        without it, and are training the step it is now at."""
+        at = self.step
         while True:
             failure: Exception | None = None
             try:
@@ -177,6 +201,8 @@ class Elastic:
             except Exception as error:
                 failure = error
             self._handle(failure)
+            if self.step > at and self._rejoined:
+                return skipped
 
     def _sync_round(self) -> None:
         """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
@@ -245,7 +271,13 @@ class Elastic:
         except Excluded as error:
             log.warning("worker %d: %s; joining again", self.coordinator.id, error)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
+            self._target, self._rejoined = self.step, True  # train the step the others are at
             return
+        except QuorumError:
+            raise
+        except (RuntimeError, OSError) as error:  # the store's, not a peer's: not retried
+            raise store_gone(self.coordinator.address, error) from None
+        self._rejoined = False
         self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
                     previous=previous)
 

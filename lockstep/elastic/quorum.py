@@ -4,6 +4,8 @@ Every worker of a fault-tolerant job talks to one TCPStore (hosted by the launch
 started the job; `LOCKSTEP_ELASTIC=HOST:PORT` says where). Keys, under `lockstep/elastic/`:
 
     next_id, host/<id>       each worker's id, handed out in arrival order, and its host
+    terms/<id>               what it trains (terms.py): a joiner must match the job's
+    refused/<id>             why a joiner was turned away (it differs from the job)
     hb/<id>                  a counter its heartbeat thread bumps every `heartbeat_s`
     left/<id>                set when it leaves cleanly, or once it is judged dead
     q/<e>/in/<id>            a member's registration for epoch e: its committed step
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lockstep.elastic.membership import Candidate, Membership, decide
+from lockstep.elastic.terms import differences
 from lockstep.logs import get_logger
 
 if TYPE_CHECKING:
@@ -54,6 +57,22 @@ class Excluded(RuntimeError):
     """This worker was judged dead by the others (it stalled too long): it must join again."""
 
 
+class StoreGone(RuntimeError):
+    """The job's store does not answer: the members can no longer agree on anything, so a
+    failure cannot be survived (training without failures goes on)."""
+
+
+def store_gone(address: str, error: BaseException) -> StoreGone:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return StoreGone(f"the job's store at {address} does not answer ({first}): the launcher "
+                     "that hosts it (the job's first `lockstep run --elastic`) has exited or "
+                     "cannot be reached")
+
+
+class JoinRefused(RuntimeError):
+    """The job turned this worker away: it differs in what decides the training."""
+
+
 class JobFinished(SystemExit):
     """The job finished before this worker was admitted: nothing is left to do (exit 0)."""
 
@@ -64,9 +83,11 @@ class JobFinished(SystemExit):
 def connect(address: str, timeout: timedelta) -> dist.Store:
     """The job's store at HOST:PORT (the launcher hosts it), under lockstep's prefix."""
     host, _, port = address.rpartition(":")
-    base = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                         timeout=timeout)
-    return base
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timeout)
+    except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError
+        raise store_gone(address, error) from None
 
 
 class Liveness:
@@ -105,6 +126,27 @@ def pending_joiners(store: dist.Store) -> list[int]:
             and not store.check([f"left/{i}"])]
 
 
+def admissible_joiners(store: dist.Store, terms: dict[str, Any]) -> list[int]:
+    """Pending joiners whose terms match the job's (`terms`, the asking member's own).
+    Any other is refused here, once: told why (refused/<id>), and no longer pending --
+    the members never stop for it."""
+    admissible = []
+    for joiner in pending_joiners(store):
+        theirs = json.loads(store.get(f"terms/{joiner}")) \
+            if store.check([f"terms/{joiner}"]) else {}
+        differ = differences(terms, theirs)
+        if not differ:
+            admissible.append(joiner)
+            continue
+        host, pid = json.loads(store.get(f"host/{joiner}"))
+        reason = "; ".join(differ)
+        log.warning("refused worker %d (pid %d on host %s): it differs from the job in "
+                    "what is trained: %s", joiner, pid, host, reason)
+        store.set(f"refused/{joiner}", reason)
+        store.set(f"left/{joiner}", "1")
+    return admissible
+
+
 class Heartbeat:
     """A daemon thread with its own store connection: bumps this worker's counter, learns
     when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
@@ -112,8 +154,10 @@ class Heartbeat:
     two: no member can be past it yet) that members usually learn it here, and on a round
     boundary (`align`). A member that has not is told by the store (`grow_due`)."""
 
-    def __init__(self, address: str, worker: int, config: ElasticConfig) -> None:
+    def __init__(self, address: str, worker: int, config: ElasticConfig,
+                 terms: dict[str, Any]) -> None:
         self._store_timeout_s = config.collective_timeout_s
+        self.terms, self.address = terms, address
         self.store = dist.PrefixStore(PREFIX, connect(address, timedelta(
             seconds=self._store_timeout_s)))
         self.worker, self.interval = worker, config.heartbeat_s
@@ -160,8 +204,9 @@ class Heartbeat:
             except Exception as error:  # the store's host is gone: quorums will say so
                 if not self._complained:
                     self._complained = True
-                    log.warning("worker %d: heartbeat to the job's store failed: %s",
-                                self.worker, str(error).splitlines()[0][:200])
+                    log.warning("worker %d: %s; training goes on, but a worker's failure "
+                                "can no longer be survived", self.worker,
+                                store_gone(self.address, error))
             self._stop.wait(self.interval)
 
     def _watch_growth(self) -> None:
@@ -170,7 +215,7 @@ class Heartbeat:
             return
         key = f"grow/{m.epoch}"
         if not self.store.check([key]):
-            if m.me != m.ids[0] or not pending_joiners(self.store):
+            if m.me != m.ids[0] or not admissible_joiners(self.store, self.terms):
                 return
             ahead = max(2, math.ceil(1.0 / max(self._step_s, 1e-3)))
             at = math.ceil((self.step + ahead) / self.align) * self.align
@@ -182,14 +227,16 @@ class Coordinator:
     """This worker's side of the membership protocol (see the module docstring)."""
 
     def __init__(self, address: str, host: str, config: ElasticConfig,
-                 initial: int) -> None:
+                 initial: int, terms: dict[str, Any] | None = None) -> None:
         self.config, self.host, self.initial = config, host, initial
+        self.terms, self.address = terms or {}, address
         self.latest = -1  # the newest epoch this worker has seen decided
         self.base = connect(address, timedelta(seconds=config.collective_timeout_s))
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.id = int(self.store.add("next_id", 1)) - 1
         self.store.set(f"host/{self.id}", json.dumps([host, os.getpid()]))
-        self.heartbeat = Heartbeat(address, self.id, config)
+        self.store.set(f"terms/{self.id}", json.dumps(self.terms))
+        self.heartbeat = Heartbeat(address, self.id, config, self.terms)
 
     # ---- entering, leaving --------------------------------------------------------------
 
@@ -218,6 +265,13 @@ class Coordinator:
                     return Membership.from_json(text, self.id)
                 epoch += 1
                 continue
+            if self.store.check([f"refused/{self.id}"]):
+                reason = self.store.get(f"refused/{self.id}").decode(errors="replace")
+                self.heartbeat.stop()
+                raise JoinRefused(
+                    f"worker {self.id} (host {self.host}): the job refused it: it differs "
+                    f"from the job in what is trained ({reason}); start it with the job's "
+                    "model, optimizer and settings")
             if self.store.check(["done"]):
                 log.warning("worker %d: the job finished before this worker was admitted",
                             self.id)
@@ -228,9 +282,15 @@ class Coordinator:
                           f"within {self.config.join_timeout_s:.0f}s; is it still training?")
 
     def finish(self) -> None:
-        """The job is done: say so (waiting joiners exit) and leave."""
-        self.store.set("done", "1")
-        self.leave()
+        """The job is done: say so (waiting joiners exit) and leave. Training is over
+        whether or not the store still answers: a store gone is only reported."""
+        self.heartbeat.stop()
+        try:
+            self.store.set("done", "1")
+            self.store.set(f"left/{self.id}", "1")
+        except (RuntimeError, OSError) as error:
+            log.warning("worker %d finished; it could not tell the job's store: %s",
+                        self.id, store_gone(self.address, error))
 
     def leave(self) -> None:
         self.heartbeat.stop()
@@ -287,7 +347,7 @@ class Coordinator:
         if current is None:
             return self._lead_first(epoch)
         olds = list(current.ids)
-        joiners = pending_joiners(self.store) if planned else []
+        joiners = admissible_joiners(self.store, self.terms) if planned else []
         registered, lost = self._gather(epoch, olds, joiners, current)
         present = [registered[i] for i in olds if i in registered]
         present += [registered[j] for j in joiners if j in registered]

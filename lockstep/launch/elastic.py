@@ -31,6 +31,7 @@ from lockstep.launch.run import LaunchSpec, check_target, threads_per_worker
 
 _JOB_KEY = PREFIX + "job"
 _SAY = "lockstep run --elastic:"
+_TOGETHER_S = 0.5  # workers that exit this close together are reported as one event
 
 
 def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
@@ -52,7 +53,8 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
               file=sys.stderr, flush=True)
     host = os.environ.get("LOCKSTEP_HOST") or spec.local_addr or socket.gethostname()
     workers = [_start(spec, endpoint, host, i) for i in range(spec.nproc)]
-    code = _supervise(workers, lambda pid: worker_name(store, host, pid))
+    code = _supervise(workers, lambda pid: worker_name(store, host, pid),
+                      lambda pid: mark_gone(store, host, pid))
     if hosting:
         _serve_until_idle(store)
     return code
@@ -135,9 +137,22 @@ def worker_name(store: dist.Store, host: str, pid: int) -> str:
     return f"a worker of this host (pid {pid}) that had not joined the job yet"
 
 
-def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str]) -> int:
+def mark_gone(store: dist.Store, host: str, pid: int) -> None:
+    """Tell the job that this host's worker `pid` has exited: its peers take it as gone at
+    once (quorum.Liveness), instead of waiting for its heartbeat to stand still."""
+    view = dist.PrefixStore(PREFIX, store)
+    with contextlib.suppress(Exception):  # the job's store may be gone too
+        for worker in range(int(view.add("next_id", 0))):
+            key = f"host/{worker}"
+            if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
+                view.set(f"left/{worker}", "1")
+                return
+
+
+def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str],
+               gone: Callable[[int], None] = lambda pid: None) -> int:
     """Wait for every worker, reporting each one that fails when it fails (`name`: how to
-    call the worker with this pid)."""
+    call the worker with this pid; `gone`: tell the job it exited)."""
     stopping: list[int] = []
 
     def stop(signum: int, frame: FrameType | None) -> None:
@@ -151,14 +166,22 @@ def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str
     try:
         running = dict(enumerate(workers))
         while running:
-            for i, w in list(running.items()):
-                if w.poll() is not None:
-                    del running[i]
-                    if w.returncode != 0 and not stopping:
-                        failures.append(w.returncode)
-                        goes_on = "; the job goes on without it" if running else ""
-                        print(f"{_SAY} {name(w.pid)} {_how(w.returncode)}{goes_on}",
-                              file=sys.stderr, flush=True)
+            ended = [i for i, w in running.items() if w.poll() is not None]
+            for i in ended:  # at once: the peers need not wait out its heartbeat
+                gone(running[i].pid)
+            failed = any(running[i].returncode for i in ended)
+            if failed and len(ended) < len(running):  # killed together: told together
+                time.sleep(_TOGETHER_S)
+                later = [i for i, w in running.items() if w.poll() is not None and i not in ended]
+                for i in later:
+                    gone(running[i].pid)
+                ended += later
+            for w in [running.pop(i) for i in ended]:  # (popped first: `running` then
+                if w.returncode != 0 and not stopping:  # holds only those still alive)
+                    failures.append(w.returncode)
+                    goes_on = "; the job goes on without it" if running else ""
+                    print(f"{_SAY} {name(w.pid)} {_how(w.returncode)}{goes_on}",
+                          file=sys.stderr, flush=True)
             time.sleep(0.1)
     finally:
         for s, handler in previous.items():
@@ -182,6 +205,8 @@ def _outcome(failures: list[int], started: int) -> int:
         print(f"{_SAY} {len(failures)} of this host's {started} workers were lost; the "
               "others finished the job", file=sys.stderr)
         return 0
+    print(f"{_SAY} every worker this launcher started has failed (see above)",
+          file=sys.stderr)
     first = failures[0]
     return first if first > 0 else 1
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lockstep.elastic.config import ElasticConfig
 from lockstep.lowcomm.paramserver import AsyncConfig
 from lockstep.lowcomm.rounds import DiLoCoConfig, LocalSGDConfig
 from lockstep.replication.precision import check_precision
@@ -79,6 +80,11 @@ class TrainConfig:
     LocalSGDConfig or DiLoCoConfig (every few steps); AsyncConfig with AsyncTrainer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When checkpoints are written, how many are kept, and what to resume from."""
+    elastic: ElasticConfig | None = None
+    """Fault tolerance (under `lockstep run --elastic`): a worker's death costs at most the
+    step it interrupted, the survivors go on at once, and workers started later join at a
+    step boundary -- with the same global batches, schedule and checkpoints. None: a
+    failure stops the run (resume it from its last checkpoint)."""
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -92,3 +98,10 @@ class TrainConfig:
         trackers.check(self.trackers)
         self.parallel.validate()
         self.checkpoint.validate()
+        if self.elastic is not None and isinstance(self.parallel, (ShardConfig, AsyncConfig)):
+            raise ValueError(
+                f"elastic= with parallel={type(self.parallel).__name__}: fault tolerance "
+                "keeps every optimizer state whole on every worker, so that any survivor can "
+                "hand it on; ZeRO shards it (a dead rank takes its shard along) and the "
+                "parameter server keeps it on one rank. Use SyncConfig, LocalSGDConfig or "
+                "DiLoCoConfig with elastic=")

@@ -12,12 +12,17 @@ world size, and a checkpoint resumes at any world size where it left off.
 
 One loop serves every synchronous-or-periodic mode: it asks the parallel model only what
 `Replica` says (no_sync, after_step, in_sync, finish, comm_stats, and its checkpoint
-state). Asynchronous training has its own entry point, AsyncTrainer.
+state), and fault tolerance only what `Survival` says (survival.py): each step and each
+other collective go through it, so with `TrainConfig(elastic=ElasticConfig())` the same
+loop survives a worker's death and lets new workers join -- the global batch, sample order,
+schedule, precision, evaluation, metrics and checkpoints carrying on through the regroup.
+Asynchronous training has its own entry point, AsyncTrainer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -26,24 +31,27 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from lockstep import comm
-from lockstep.comm.world import World, init
+from lockstep.comm.world import World, current, init
+from lockstep.elastic.job import Elastic
 from lockstep.lowcomm.paramserver import AsyncConfig
 from lockstep.optim import LRSchedule, goyal_schedule, set_lr
 from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.replication.precision import LossScaler, autocast
 from lockstep.seeding import seed_everything
 from lockstep.training import checkpoint, configfile, export
-from lockstep.training.batching import plan_batches
+from lockstep.training.batching import batch_share, plan_batches, share_divisor
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
 from lockstep.training.resume import Checkpoints, RunState
 from lockstep.training.runlog import RunLog, plot_run, read_metrics
-from lockstep.training.sampler import ShardedSampler
+from lockstep.training.sampler import ShardedSampler, global_order
+from lockstep.training.survival import Steady, Survival
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+MicroBatch = tuple[torch.Tensor, torch.Tensor, float]  # inputs, targets, the loss's divisor
 
 
 @runtime_checkable
@@ -85,34 +93,83 @@ class Trainer:
         if isinstance(self.config.parallel, AsyncConfig):
             raise ValueError("parallel=AsyncConfig is asynchronous training, a loop of its "
                              "own: use lockstep.AsyncTrainer with this config")
-        self.world: World = init()
-        self.plan = plan_batches(self.config.global_batch_size, self.world.world_size,
-                                 self.config.max_batch_per_rank)
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
         self.steps_per_epoch = steps_per_epoch(train_set, self.config.global_batch_size)
-        self.model: Replica = self._parallel(model)
-        self.optimizer = self.model.make_optimizer(optimizer)
+        self.state = RunState()
+        self._carried = _CarriedRunState(self.state)
+        self._order: tuple[int, torch.Tensor | None] = (-1, None)  # the epoch's sample order
+        self._dropped, self._dropped_before = False, 0
+        self.runlog = RunLog(Path(self.config.run_dir), False, 0, 0)  # silent until fit()
+        if self.config.elastic is None:
+            init()
+            replica = self._parallel(model)
+            self.optimizer = replica.make_optimizer(optimizer)
+        else:
+            module = self._module(model)
+            self.optimizer = optimizer(module.parameters())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
-        self.scaler = LossScaler(group=self.model.group) if self.config.precision == "fp16" \
-            else None
+        # The default group, whichever it is now: a regroup replaces it.
+        self.scaler = LossScaler() if self.config.precision == "fp16" else None
+        self.survival: Survival = Steady(replica, self._update) \
+            if self.config.elastic is None else self._elastic(module)
+        # (elastic=: the world changes; each step's share is planned for the world then)
+        self.plan = plan_batches(self.config.global_batch_size, self.world.world_size,
+                                 self.config.max_batch_per_rank) \
+            if isinstance(self.survival, Steady) else None
         self.schedule = lr_schedule(self.config, self.total_steps)
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
-        self.state = RunState()
         self.finished_before = False  # fit() found the run's checkpoint at its end
-        self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed)  # type: ignore[arg-type]
+        self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed,  # type: ignore[arg-type]
+                                      rank=self.world.rank, world_size=self.world.world_size)
         self.checkpoints = Checkpoints(
             self.config.checkpoint, self.run_dir / "checkpoints", self.world, self.model,
-            self.optimizer, self.sampler, self.plan.global_batch, self.steps_per_epoch,
+            self.optimizer, self.sampler, self.config.global_batch_size, self.steps_per_epoch,
             self._config_record, self.config.seed, self.scheduler, self.scaler)
 
     def _parallel(self, model: nn.Module | Callable[[], nn.Module]) -> Replica:
         if isinstance(model, Replica):
             return model
+        return self.config.parallel.build(self._module(model))  # type: ignore[union-attr]
+
+    def _module(self, model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+        """The plain model, built (after seeding) if given as a function, on the device."""
+        if isinstance(model, Replica):
+            raise ValueError(
+                "TrainConfig(elastic=...) takes the plain model (or a function that builds "
+                f"it), not a {type(model).__name__}: the parallel wrapper is built again for "
+                "every membership, from config.parallel")
         if not isinstance(model, nn.Module):
             seed_everything(self.config.seed)
             model = model()
-        return self.config.parallel.build(model.to(self.world.device))  # type: ignore[union-attr]
+        device = current().device if torch.distributed.is_initialized() \
+            else torch.device("cpu")  # elastic: the group is formed later, by Elastic
+        return model.to(device)
+
+    def _elastic(self, module: nn.Module) -> Elastic:
+        """Join (or form) the fault-tolerant job. Every worker must agree on what decides
+        the training -- the config, the data's size -- or a joiner is refused."""
+        carried: dict[str, Any] = {"run": self._carried}
+        if self.scheduler is not None:
+            carried["scheduler"] = self.scheduler
+        if self.scaler is not None:
+            carried["scaler"] = self.scaler
+        record = {k: v for k, v in self._config_record().items()
+                  if k not in ("progress", "trackers")}  # the rest decides what is trained
+        agree = {"config": record, "train_samples": len(self.train_set),  # type: ignore[arg-type]
+                 "eval_samples": len(self.eval_set) if self.eval_set is not None else None}  # type: ignore[arg-type]
+        return Elastic(module, self.optimizer, self.config.parallel.build,  # type: ignore[union-attr]
+                       state=carried, config=self.config.elastic, update=self._update,
+                       agree=agree)
+
+    @property
+    def model(self) -> Replica:
+        """The parallel model now (under elastic=, rebuilt whenever the members change)."""
+        return self.survival.model
+
+    @property
+    def world(self) -> World:
+        return self.survival.world
 
     @property
     def total_steps(self) -> int:
@@ -125,29 +182,68 @@ class Trainer:
         """Train to the end (resuming if configured), evaluate, and return a summary. A run
         whose checkpoint is already at the end is not trained, evaluated or plotted again:
         its summary is returned as that run recorded it."""
-        self.state = self.checkpoints.restore(self.total_steps)
+        self._start()
         self.finished_before = self.state.global_step >= self.total_steps
         if self.finished_before:
-            return self._summary(0.0, self._recorded_metrics())
-        runlog = RunLog(self.run_dir, self.world.is_main, self.total_steps,
-                        self.state.global_step, self.config.progress, self._config_record(),
-                        self.config.trackers)
+            summary = self._summary(0.0, self._recorded_metrics())
+            self.survival.finish()
+            return summary
+        self.runlog = self._open_runlog()
         samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
         try:
             while self.state.global_step < self.total_steps:
                 started, saving = time.perf_counter(), self.checkpoints.seconds
-                samples += self._train_epoch(runlog)
+                samples += self._train_epoch()
                 seconds += time.perf_counter() - started - (self.checkpoints.seconds - saving)
                 finished = self.state.global_step >= self.total_steps
                 if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
-                    self._evaluate_and_record(runlog)
-            self.model.finish()  # every replica identical before the last evaluation
-            metrics = self._evaluate_and_record(runlog)
+                    self._evaluate_and_record()
+            # every replica identical before the last evaluation
+            self.survival.collective(lambda: self.model.finish())
+            metrics = self._evaluate_and_record()
         finally:
-            runlog.close()
+            self.runlog.close()
         if self.world.is_main:
             plot_run(self.run_dir)
-        return self._summary(samples / seconds if samples else 0.0, metrics)
+        summary = self._summary(samples / seconds if samples else 0.0, metrics)
+        self.survival.finish()
+        return summary
+
+    def _start(self) -> None:
+        """Where this run starts: its checkpoint (or the beginning), read by every worker;
+        a worker that joined a running job has received the step and state instead."""
+        if getattr(self.survival, "joined_running", False):
+            self.state = self._carried.state  # the step follows; the history came along
+            self._follow_step()
+            return
+        restored = self.survival.collective(lambda: self.checkpoints.restore(self.total_steps))
+        assert restored is not None  # (nothing can have trained without this worker yet)
+        self.state = self._carried.state = restored
+        self.survival.step = self.state.global_step
+
+    def _open_runlog(self) -> RunLog:
+        return RunLog(self.run_dir, self.world.is_main, self.total_steps,
+                      self.state.global_step, self.config.progress, self._config_record(),
+                      self.config.trackers)
+
+    def _follow_step(self) -> bool:
+        """Take the step the job reached (one more, or -- for a worker that was left out
+        and joined again -- several); True when it began a new epoch."""
+        step = self.survival.step
+        epoch_before = self.state.epoch
+        self.state.global_step = step
+        self.state.epoch, self.state.step_in_epoch = divmod(step, self.steps_per_epoch)
+        return self.state.epoch != epoch_before
+
+    def _follow_members(self) -> None:
+        """After a regroup: the checkpoints write through the new model and world, and
+        the metrics and progress bar follow rank 0 to whichever worker holds it now."""
+        world = self.world
+        self.checkpoints.world, self.checkpoints.model = world, self.model
+        self.sampler.rank, self.sampler.world_size = world.rank, world.world_size
+        if self.runlog.is_main != world.is_main:
+            self.runlog.close()
+            self.runlog = self._open_runlog()
 
     def _summary(self, speed: float, metrics: dict[str, float]) -> dict[str, Any]:
         return {"steps": self.state.global_step, "samples_per_s": speed,
@@ -164,71 +260,96 @@ class Trainer:
             with contextlib.suppress(OSError, ValueError):  # a damaged log: evaluate instead
                 found = [r for r in read_metrics(self.run_dir) if isinstance(r, dict)
                          and r.get("kind") == "eval" and r.get("step") == self.state.global_step]
-        recorded = comm.broadcast_object(found[-1] if found else None, 0,
-                                         "trainer: the finished run's last evaluation")
+        recorded = self.survival.collective(lambda: comm.broadcast_object(
+            found[-1] if found else None, 0, "trainer: the finished run's last evaluation"))
         return dict(recorded) if recorded else self.evaluate()
 
-    def _train_epoch(self, runlog: RunLog) -> int:
+    def _train_epoch(self) -> int:
         """Run the rest of the current epoch; returns global samples trained."""
-        batches = self._micro_batches()
+        loader = self._micro_batches() if isinstance(self.survival, Steady) else None
         window = _Window()
         trained, epoch_done = 0, False
         while not epoch_done and self.state.global_step < self.total_steps:
-            window.add(self._train_step(batches))
-            trained += self.plan.global_batch
-            epoch_done = self._advance(runlog)
+            window.add(self._train_step(loader))
+            trained += self.config.global_batch_size
+            self.runlog.progress(self.survival.step - self.state.global_step)  # every step
+            epoch_done = self._follow_step()  # (it rolls over before any checkpoint, so a
+            self._follow_members()            # checkpoint points at the next sample)
             if self.state.global_step % self.config.log_every_steps == 0 or \
                     self.state.global_step == self.total_steps:
-                self._log_window(runlog, window)
+                self._log_window(window)
                 window = _Window()
             paused = time.perf_counter()
             if self._mid_epoch_eval_due(epoch_done):
-                self._evaluate_and_record(runlog)
+                self._evaluate_and_record()
             for callback in self.callbacks:
                 callback(self)
             if self.checkpoints.due(self.state, epoch_done, self.total_steps):
-                self.save_checkpoint()
+                self.survival.collective(self.save_checkpoint)
             window.started += time.perf_counter() - paused  # its throughput: training only
         return trained
 
-    def _advance(self, runlog: RunLog) -> bool:
-        """Count a finished step; True when it ended the epoch. The epoch rolls over before
-        any checkpoint, so a checkpoint points at the next sample."""
-        self.state.global_step += 1
-        self.state.step_in_epoch += 1
-        runlog.progress(1)  # every step, so the bar ends at 100% whatever log_every says
-        if self.state.step_in_epoch < self.steps_per_epoch:
-            return False
-        self.state.epoch += 1
-        self.state.step_in_epoch = 0
-        return True
-
     def _micro_batches(self) -> Iterator[Batch]:
+        assert self.plan is not None
         self.sampler.load_state_dict(self.checkpoints.sampler_state(self.state))
         yield from micro_batches(self.train_set, self.sampler, self.plan.micro_batch,
                                  self.config.seed + self.state.epoch, self.world.device)
 
-    def _train_step(self, batches: Iterator[Batch]) -> float | None:
+    def _train_step(self, loader: Iterator[Batch] | None) -> float | None:
         """One optimizer step over one global batch; returns this rank's mean loss, or
-        None for a step dropped for a non-finite gradient (nonfinite="skip")."""
-        dropped_before = self._dropped_steps()
+        None for a step dropped for a non-finite gradient (nonfinite="skip") or completed
+        by peers while this worker's attempt failed (elastic)."""
+        self._dropped = False
+        loss = self.survival.run_step(lambda model, step: self._gradients(
+            model, self._step_batches(step, loader)))
+        if loss is not None:
+            self.state.last_loss = loss
+        return None if self._dropped else loss
+
+    def _step_batches(self, step: int, loader: Iterator[Batch] | None
+                      ) -> list[Callable[[], MicroBatch]]:
+        """This rank's micro-batches of global batch `step`, each read when it is used:
+        from the epoch's loader, or -- under elastic=, where the world may change between
+        steps -- sliced afresh for the world now."""
         if self.schedule is not None:
-            set_lr(self.optimizer, self.schedule(self.state.global_step))
-        total = sum(self._micro_step(next(batches), last=micro == self.plan.accumulation - 1)
-                    for micro in range(self.plan.accumulation))
+            set_lr(self.optimizer, self.schedule(step))
+        if loader is not None:
+            assert self.plan is not None
+            accumulation = self.plan.accumulation
+            return [lambda: (*next(loader), accumulation)] * accumulation
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if self._order[0] != epoch:
+            self._order = (epoch, global_order(len(self.train_set), self.config.seed, epoch,  # type: ignore[arg-type]
+                                               shuffle=True))
+        order, world = self._order[1], self.world
+        assert order is not None
+        G = self.config.global_batch_size
+        return [functools.partial(fetch, self.train_set, order[list(positions)],
+                                  share_divisor(G, len(positions), world.world_size),
+                                  world.device)
+                for positions in batch_share(within, G, world.rank, world.world_size,
+                                             self.config.max_batch_per_rank)]
+
+    def _gradients(self, model: Replica, batches: list[Callable[[], MicroBatch]]) -> float:
+        """Forward and backward over a step's micro-batches: the gradients, averaged over
+        ranks once the last one's backward is done. Returns this rank's mean loss."""
+        self._dropped_before = self._dropped_steps()
+        return sum(self._micro_step(model, read(), last=i == len(batches) - 1)
+                   for i, read in enumerate(batches))
+
+    def _update(self) -> None:
+        """Apply a step's gradients: once per committed step, on every rank."""
         self._optimizer_step()
-        self.model.after_step()
         if self.scheduler is not None:  # stepped per optimizer step, not per epoch
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.state.last_loss = total
-        return total if self._dropped_steps() == dropped_before else None
+        self._dropped = self._dropped_steps() != self._dropped_before
 
-    def _micro_step(self, batch: Batch, last: bool) -> float:
-        x, y = batch
-        with contextlib.nullcontext() if last else self.model.no_sync():
+    def _micro_step(self, model: Replica, batch: MicroBatch, last: bool) -> float:
+        x, y, divisor = batch
+        with contextlib.nullcontext() if last else model.no_sync():
             with autocast(self.config.precision, self.world.device):
-                loss = self.loss_fn(self.model(x), y) / self.plan.accumulation
+                loss = self.loss_fn(model(x), y) / divisor
             try:
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             except NonFiniteGradientError as error:
@@ -253,11 +374,17 @@ class Trainer:
     def _dropped_steps(self) -> int:
         return int(self.model.comm_stats().get("skipped_steps", 0))
 
-    def _log_window(self, runlog: RunLog, window: _Window) -> None:
-        mean = comm.control_tensor([window.mean_loss()], dtype=torch.float32)
-        comm.all_reduce(mean, "trainer: average of the logged loss")
-        loss = mean.item() / self.world.world_size
-        speed = window.steps * self.plan.global_batch / max(window.elapsed(), 1e-9)
+    def _log_window(self, window: _Window) -> None:
+        def average() -> float:
+            mean = comm.control_tensor([window.mean_loss()], dtype=torch.float32)
+            comm.all_reduce(mean, "trainer: average of the logged loss")
+            return float(mean.item()) / self.world.world_size
+
+        loss = self.survival.collective(average)
+        if loss is None:  # left out meanwhile: the others logged this window
+            return
+        runlog = self.runlog
+        speed = window.steps * self.config.global_batch_size / max(window.elapsed(), 1e-9)
         wire = self.model.comm_stats()
         extra = {"loss_scale": self.scaler.scale_value} if self.scaler else {}
         if "skipped_steps" in wire:
@@ -281,11 +408,14 @@ class Trainer:
         return evaluate(self.model, self.eval_set, self.loss_fn, self.config.eval_batch_size,  # type: ignore[arg-type]
                         self.config.precision, self.world.device)
 
-    def _evaluate_and_record(self, runlog: RunLog) -> dict[str, float]:
+    def _evaluate_and_record(self) -> dict[str, float]:
         if self.eval_set is None:
             return {}
-        metrics = self.evaluate()
+        metrics = self.survival.collective(self.evaluate)
+        if metrics is None:  # left out meanwhile: the others evaluated without it
+            return {}
         self.state.history.append({"step": self.state.global_step, **metrics})
+        runlog = self.runlog
         runlog.record("eval", self.state.global_step, **metrics)
         runlog.message(f"step {self.state.global_step}: test loss {metrics['loss']:.4f}, "
                        f"test accuracy {metrics['accuracy']:.4f}")
@@ -363,3 +493,24 @@ def micro_batches(dataset: Dataset[Any], sampler: ShardedSampler, size: int, see
                         generator=torch.Generator().manual_seed(seed))
     for x, y in loader:
         yield x.to(device), y.to(device)
+
+
+def fetch(dataset: Dataset[Any], indices: torch.Tensor, divisor: float,
+          device: torch.device) -> MicroBatch:
+    """The samples at `indices`, collated as a DataLoader would, on `device`."""
+    x, y = default_collate([dataset[i] for i in indices.tolist()])
+    return x.to(device), y.to(device), divisor
+
+
+class _CarriedRunState:
+    """The run's evaluation history, as a state_dict a joining worker receives (its step
+    comes from the job)."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.state.history}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.history = list(saved["history"])

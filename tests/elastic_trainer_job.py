@@ -1,0 +1,110 @@
+"""The Trainer under fault tolerance, for the tests: least squares in float64 with
+`TrainConfig(elastic=ElasticConfig(...))`, launched with `lockstep run --elastic`.
+
+Every sample the training set hands out is recorded in OUT/worker-<id>.jsonl with the step
+being attempted, the membership epoch, rank and world size (the format elastic_job.py
+writes, so the same audit applies); at the end each worker records its final parameters,
+the job's lineage and the summary. Checkpoints, metrics and config.json go to OUT/run.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+import lockstep
+from lockstep.elastic import ElasticConfig
+from lockstep.elastic.quorum import pending_joiners
+from lockstep.training.resume import CheckpointConfig
+from tests import elastic_job
+
+
+class RecordedSet(Dataset):
+    """A dataset that writes down every sample it hands out, and for which attempt."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, out: Path) -> None:
+        self.x, self.y, self.out = x, y, out
+        self.trainer: Any = None
+        self.log: Any = None
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        job = self.trainer.survival
+        if self.log is None:
+            self.log = (self.out / f"worker-{job.coordinator.id}.jsonl").open("a")
+        world = job.world
+        self.log.write(json.dumps({"attempt": job.step, "epoch": job.membership.epoch,
+                                   "rank": world.rank, "world": world.world_size,
+                                   "worker": job.coordinator.id, "pid": os.getpid(),
+                                   "indices": [i], "time": time.time()}) + "\n")
+        self.log.flush()
+        return self.x[i], self.y[i]
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
+    p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
+                   "worker is waiting to join (so a test's joiner always finds the job)")
+    p.add_argument("--mode", default="sync", choices=["sync", "diloco"])
+    p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
+                   "with another width differs from the job)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    x, y = elastic_job.data()
+    train = RecordedSet(x, y, out)
+    parallel = lockstep.DiLoCoConfig(sync_every=4) if args.mode == "diloco" \
+        else lockstep.SyncConfig()
+    config = lockstep.TrainConfig(
+        global_batch_size=args.global_batch, max_steps=args.steps, epochs=100,
+        run_dir=str(out / "run"), log_every_steps=5, progress=False, trackers=(),
+        eval_every_steps=10, parallel=parallel,
+        checkpoint=CheckpointConfig(every_steps=10, keep=20),
+        elastic=ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5, collective_timeout_s=10.0,
+                              join_timeout_s=60.0, check_every=0))
+
+    def build() -> nn.Module:
+        return nn.Linear(elastic_job.FEATURES, args.width).double()
+
+    def pace(trainer: lockstep.Trainer) -> None:
+        if trainer.state.global_step == args.hold_at:
+            deadline = time.monotonic() + 120
+            while not pending_joiners(trainer.survival.coordinator.store) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(args.pace)
+
+    trainer = lockstep.Trainer(
+        build, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), train,
+        TensorDataset(x, y), loss_fn=mse, config=config, callbacks=[pace],
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5))
+    train.trainer = trainer
+    summary = trainer.fit()
+    job = trainer.survival
+    with (out / f"worker-{job.coordinator.id}.jsonl").open("a") as log:
+        log.write(json.dumps({
+            "final": True, "worker": job.coordinator.id, "pid": os.getpid(),
+            "world": summary["world_size"], "step": summary["steps"],
+            "lineage": job.lineage, "regroups": job.regroups,
+            "test_loss": summary["test_loss"], "history": trainer.state.history,
+            "params": [v.flatten().tolist() for v in trainer.model.module.state_dict().values()],
+        }) + "\n")
+
+
+if __name__ == "__main__":
+    main()

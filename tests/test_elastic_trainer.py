@@ -1,0 +1,152 @@
+"""The Trainer under fault tolerance: `TrainConfig(elastic=ElasticConfig(...))` with
+`lockstep run --elastic` (tests/elastic_trainer_job.py, least squares in float64).
+
+A worker killed mid-run costs the survivors no restart, a worker started later joins, every
+global batch is trained exactly once, and the final weights are one process's on the same
+global batches -- with the LR scheduler, evaluation, metrics and checkpoints carrying on.
+A job whose every worker died resumes from its last checkpoint when run again; a joiner
+that differs from the job in what is trained is refused with the reason, and the job goes
+on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lockstep.seeding import seed_everything
+from lockstep.training.sampler import global_order
+from tests import elastic_job
+from tests.test_elastic import (
+    ROOT,
+    _check_history,
+    _free_port,
+    _kill_and_rejoin,
+    _launch,
+    _records,
+    _wait_for,
+)
+
+JOB = str(ROOT / "tests" / "elastic_trainer_job.py")
+PER_EPOCH = elastic_job.SAMPLES // 12
+
+
+def order(step: int, global_batch: int) -> tuple[torch.Tensor, int]:
+    """The Trainer's sample order for global step `step` (seed 0), and the step in its epoch."""
+    per_epoch = elastic_job.SAMPLES // global_batch
+    return global_order(elastic_job.SAMPLES, 0, step // per_epoch, True), step % per_epoch
+
+
+def reference(steps: int, global_batch: int) -> list[torch.Tensor]:
+    """One process, the same global batches, optimizer and schedule."""
+    x, y = elastic_job.data()
+    seed_everything(0)
+    model = nn.Linear(elastic_job.FEATURES, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
+    for step in range(steps):
+        permutation, within = order(step, global_batch)
+        batch = permutation[within * global_batch:(within + 1) * global_batch]
+        ((model(x[batch]) - y[batch]) ** 2).mean().backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+    return [v.flatten() for v in model.state_dict().values()]
+
+
+def assert_weights(finals: list[dict], expected: list[torch.Tensor]) -> None:
+    for final in finals:
+        for got, want in zip(final["params"], expected, strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-9, atol=1e-11)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_trainer_goes_on_through_a_kill_and_lets_a_worker_join(tmp_path: Path) -> None:
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04",
+                                      "--hold-at", "30"], kill_at=8, job=JOB)
+    finals = _check_history(run, steps, 12, order=order)
+    assert_weights(finals, reference(steps, 12))
+    # One history of evaluations, the same on every worker (the joiner received it), and
+    # metrics recorded once at every logging step, through both regroups.
+    assert len({json.dumps(f["history"]) for f in finals}) == 1
+    assert [h["step"] for h in finals[0]["history"]] == [10, 20, 30, 40, 50, 60]
+    logged = metrics(tmp_path / "run")
+    assert [r["step"] for r in logged if r["kind"] == "train"] == list(range(5, 61, 5))
+    assert [r["step"] for r in logged if r["kind"] == "eval"] == [10, 20, 30, 40, 50, 60]
+    written = sorted(int(p.name.split("-")[-1]) for p in (tmp_path / "run" / "checkpoints")
+                     .iterdir() if p.name.startswith("step-"))
+    assert written == [10, 20, 30, 40, 50, 60]
+    assert "3 -> 2 workers, continuing at step" in run["stderr"]
+    assert "joined, state sent from rank 0; 2 -> 3 workers" in run["stderr"]
+
+
+def test_a_job_whose_every_worker_died_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    """Both workers killed after the checkpoint at step 20: the same command, run again,
+    resumes there and ends with one process's weights."""
+    steps, args = 60, ["--steps", "60", "--pace", "0.03"]
+    port = _free_port()
+    first = _launch(tmp_path, port, 2, args, "launcher1.err", JOB)
+    try:
+        _wait_for(tmp_path, lambda r: r["attempt"] >= 24, 90, "step 24")
+        for pid in {r["pid"] for r in _records(tmp_path) if "attempt" in r}:
+            os.kill(pid, signal.SIGKILL)
+        assert first.wait(timeout=60) != 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+    stderr = (tmp_path / "launcher1.err").read_text()
+    assert "the job goes on without it" not in stderr  # every worker died at once
+    killed_at = time.time()
+    again = _launch(tmp_path, port, 2, args, "launcher2.err", JOB)
+    assert again.wait(timeout=120) == 0, (tmp_path / "launcher2.err").read_text()[-3000:]
+    stderr = (tmp_path / "launcher2.err").read_text()
+    assert "resumed from" in stderr and "at step 20" in stderr, stderr[-2000:]
+    finals = [r for r in _records(tmp_path) if r.get("final")]
+    assert len(finals) == 2 and all(f["step"] == steps for f in finals)
+    assert_weights(finals, reference(steps, 12))
+    # the second run trained from step 20 on: nothing before it again
+    assert min(r["attempt"] for r in _records(tmp_path) if "attempt" in r
+               and r["time"] > killed_at) == 20
+
+
+def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
+        tmp_path: Path) -> None:
+    """Before, a joiner with a wider layer made every member raise ModelMismatchError, and
+    one with another global batch was let in (samples lost and repeated, weights off)."""
+    steps, args = 150, ["--steps", "150", "--pace", "0.05"]
+    port = _free_port()
+    job = _launch(tmp_path, port, 2, args, "launcher.log", JOB)
+    joiners = []
+    try:
+        _wait_for(tmp_path, lambda r: r["attempt"] >= 3, 90, "step 3")
+        for name, differ in (("batch", ["--global-batch", "24"]), ("wider", ["--width", "2"])):
+            (tmp_path / name).mkdir()
+            joiners.append(_launch(tmp_path / name, port, 1, [*args, *differ], "joiner.log",
+                                   JOB))
+        assert [j.wait(timeout=120) for j in joiners] == [1, 1]
+        assert job.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        for p in (job, *joiners):
+            if p.poll() is None:
+                p.kill()
+    said = {name: (tmp_path / name / "joiner.log").read_text() for name in ("batch", "wider")}
+    assert "the job refused it: it differs from the job in what is trained " \
+        "(config.global_batch_size: 24 here, 12 in the job" in said["batch"]
+    assert "model entry 'bias': [2] float64 here, [1] float64 in the job" in said["wider"]
+    log = (tmp_path / "launcher.log").read_text()
+    assert log.count("it differs from the job in what is trained") == 2
+    finals = [r for r in _records(tmp_path) if r.get("final")]
+    assert sorted(f["world"] for f in finals) == [2, 2]
+    assert {r["world"] for r in _records(tmp_path) if "attempt" in r} == {2}
+    assert_weights(finals, reference(steps, 12))
