@@ -8,7 +8,6 @@ gone, instead of leaving the user with a bare socket error.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,16 @@ log = get_logger(__name__)
 _PREFIX = "lockstep/progress/"
 _PUBLISH_INTERVAL_S = 0.5
 _STOP_WAIT_S = 300.0  # the default collective (and store) timeout
+
+
+_LOST = ("Connection reset", "Broken pipe", "Connection was likely closed",
+         "Connection refused", "Failed to recv")
+
+
+def connection_lost(error: BaseException) -> bool:
+    """Whether a store call failed because its server is gone (the connection broke: a
+    TCPStore client never reconnects), rather than a slow answer."""
+    return any(sign in str(error) for sign in _LOST)
 
 
 class ProgressReporter:
@@ -41,6 +50,7 @@ class ProgressReporter:
         # More work for the same thread, at the same pace (the stall watchdog's checks):
         # one thread per process, however many watchers.
         self.ticks: list[Callable[[], None]] = []
+        self.store_lost = False  # its server is gone: every later call would fail too
 
     def advance(self) -> None:
         self.step += 1
@@ -72,8 +82,8 @@ class ProgressReporter:
                         "exiting anyway", wait_s)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.publish("running")
+        while not self._stop.is_set() and not self.store_lost:  # (each failed call logs
+            self.publish("running")                                # a C++ stack trace)
             for tick in list(self.ticks):
                 if self._stop.is_set():  # exit waits for this thread: no new store calls
                     return
@@ -87,12 +97,16 @@ class ProgressReporter:
         with self._lock:
             if self._published == (self.step, state) or not dist.is_initialized():
                 return
+            if self.store_lost:
+                return
             # Progress is advisory: never let it break training or exit.
-            with contextlib.suppress(Exception):
+            try:
                 store = dist.distributed_c10d._get_default_store()
                 store.set(f"{_PREFIX}{dist.get_rank()}",
                           f"{self.step} {state} {time.time():.1f}")
                 self._published = (self.step, state)
+            except Exception as error:
+                self.store_lost = connection_lost(error)
 
 
 reporter = ProgressReporter()

@@ -31,7 +31,7 @@ import time
 import torch.distributed as dist
 
 from lockstep.comm import stacks
-from lockstep.comm.diagnostics import reporter
+from lockstep.comm.diagnostics import connection_lost, reporter
 from lockstep.comm.ledger import HISTORY, Record, ledger, mismatches
 from lockstep.comm.stall_report import (
     LEDGER_KEY,
@@ -115,8 +115,9 @@ class Watchdog:
             self._responder.answer(store, rank, ledger.thread)
             self._check_neighbour(store, rank)
             self._check_stall(store, rank)
-        except Exception:  # advisory: a store hiccup must never stop training
+        except Exception as error:  # advisory: a store hiccup must never stop training
             log.debug("stall watchdog: a check failed", exc_info=True)
+            reporter.store_lost = reporter.store_lost or connection_lost(error)
 
     def publish(self, store: dist.Store, rank: int) -> None:
         groups = {key: ledger.recent(key, PUBLISHED) for key in list(ledger.history)}

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from lockstep.comm.diagnostics import connection_lost
 from lockstep.elastic.membership import Candidate, Membership, decide
 from lockstep.elastic.terms import differences
 from lockstep.logs import get_logger
@@ -168,6 +169,7 @@ class Heartbeat:
         self._grow: tuple[int, int] | None = None  # (epoch, step)
         self._stop = threading.Event()
         self._complained = False
+        self.lost = False  # the store's server is gone
         self._thread = threading.Thread(target=self._run, name="lockstep-heartbeat",
                                         daemon=True)
         self._thread.start()
@@ -207,6 +209,9 @@ class Heartbeat:
                     log.warning("worker %d: %s; training goes on, but a worker's failure "
                                 "can no longer be survived", self.worker,
                                 store_gone(self.address, error))
+                if connection_lost(error):  # for good: no more calls (each logs a C++
+                    self.lost = True        # stack trace)
+                    return
             self._stop.wait(self.interval)
 
     def _watch_growth(self) -> None:
@@ -303,8 +308,14 @@ class Coordinator:
         others stopped before (its attempt interrupted, the step redone)."""
         at = self.heartbeat.grow_at(membership.epoch)
         key = f"grow/{membership.epoch}"
-        if at is None and self.store.check([key]):
-            at = int(self.store.get(key))
+        if at is None and not self.heartbeat.lost:
+            try:
+                if self.store.check([key]):
+                    at = int(self.store.get(key))
+            except (RuntimeError, OSError) as error:  # nobody can join without the store:
+                if not connection_lost(error):        # train on; a failure will say so
+                    raise
+                self.heartbeat.lost = True
         return at is not None and step >= at
 
     # ---- regrouping ---------------------------------------------------------------------
