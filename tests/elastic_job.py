@@ -87,10 +87,15 @@ def main() -> None:
                    "in this step, after its gradient (a replica drifting)")
     p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
                    "worker is waiting to join (so a test's joiner always finds the job)")
+    p.add_argument("--ballast-mb", type=int, default=0, help="a frozen parameter this "
+                   "large, so that handing state to a joiner takes a while")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     x, y = data()
     model, optimizer = build()
+    if args.ballast_mb:
+        model.ballast = nn.Parameter(torch.zeros(args.ballast_mb << 17, dtype=torch.float64),
+                                     requires_grad=False)
     config = ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5, collective_timeout_s=10.0,
                            check_every=args.check_every, join_timeout_s=60.0)
     lr = schedule(optimizer)

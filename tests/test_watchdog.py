@@ -427,3 +427,13 @@ def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
                     "the job was stopped.\nwhat rank [01] saw:\nTraceback", summary), summary
     assert "failed after 6.0s" in summary and "-- rank 2 did not reach it" in summary
     assert "killed by Signal 9" not in stderr
+
+
+def test_a_rank_that_was_itself_paused_is_told_so_not_that_the_transport_is_stuck() -> None:
+    """A worker woken from SIGSTOP after 30 s found its collective timed out (10 s) and read
+    'every rank has issued it, yet it does not finish: the transport is stuck'."""
+    from lockstep.comm.collectives import _paused_for
+
+    assert _paused_for("Timed out waiting 10000ms for send operation to complete", 30.0) == 20.0
+    assert _paused_for("Timed out waiting 10000ms for send operation to complete", 10.4) is None
+    assert _paused_for("Connection closed by peer", 30.0) is None

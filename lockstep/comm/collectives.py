@@ -81,6 +81,18 @@ def _backend_message(error: BaseException) -> str:
     return text.split(" This is typically caused")[0][:300]
 
 
+_PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")
+
+
+def _paused_for(text: str, waited: float) -> float | None:
+    """Seconds this rank lost beyond a collective's timeout -- it waited far longer than the
+    backend's own clock allowed, so it was not running -- or None."""
+    found = _TIMED_OUT.search(text)
+    limit = int(found.group(1)) / 1000 if found else None
+    return waited - limit if limit is not None and waited > 1.5 * limit + 2 else None
+
+
 def _explain(what: str, error: BaseException, started: float,
              record: Record | None = None) -> CollectiveError:
     """The error for a failed collective. The first line says what failed and, when the
@@ -91,6 +103,19 @@ def _explain(what: str, error: BaseException, started: float,
     found = watchdog.explain(record)
     if record is not None:
         record.done = True
+    paused = _paused_for(str(error), waited)
+    if paused is not None:  # the others' ledgers and clocks went on without this rank
+        return CollectiveError(f"{head} -- this rank was itself paused for about "
+                               f"{paused:.0f}s (stopped, e.g. SIGSTOP, or starved of CPU): "
+                               "its peers may have gone on without it")
+    if _PEER_CLOSED.search(str(error)):
+        # A peer's process ended (killed, crashed, or its group torn down). Only a rank
+        # that said it exited is named: the ledgers, published once a second, would blame
+        # live peers for lagging.
+        exited = found.verdict.split("; ")[0] if found is not None and \
+            "exited without reaching it" in found.verdict else None
+        return CollectiveError(f"{head} -- " + (exited or "a peer closed its connection: "
+                               "its process exited or was killed, or its group was torn down"))
     if found is None:
         return CollectiveError(f"{head}\n{explain_stall(rank, size)}")
     lines = [f"{head} -- {found.verdict}", f"  it was {found.collective}", found.details,

@@ -137,9 +137,14 @@ class Elastic:
         self.drift: DriftCheck | None = None
         self._target = 0  # the step the current run_step commits
         self._rejoined = False  # the last regroup left this worker out; it joined again
+        self._received = False  # this worker was brought level from a peer
         started = time.monotonic()
-        self._admit(self.coordinator.enter(), rewrap=True, started=started)
-        self.joined_running = self.coordinator.id in self._current().joined
+        first = self.coordinator.enter()
+        try:
+            self._admit(first, rewrap=True, started=started)
+        except Exception as error:  # a member died while this worker was let in (or sent
+            self._handle(error)     # its state): agree again, as any member would
+        self.joined_running = self._received
 
     @property
     def world(self) -> World:
@@ -269,7 +274,7 @@ class Elastic:
         try:
             membership = self.coordinator.regroup(previous, self.step, planned)
         except Excluded as error:
-            log.warning("worker %d: %s; joining again", self.coordinator.id, error)
+            log.warning("%s; joining again", error)  # (it names the worker)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
             self._target, self._rejoined = self.step, True  # train the step the others are at
             return
@@ -312,6 +317,7 @@ class Elastic:
                                 self._objects(), receive=behind, receive_wrapper=rewrap)
             if behind:
                 self._load_objects(objects)
+                self._received = True
         self.step = membership.step
         if behind:
             self._phase, self._sync_retry = 0, False
