@@ -2,6 +2,7 @@
 uninterrupted run of the same job.
 
     python benchmarks/elastic_recovery.py             # 3 workers on this host
+    python benchmarks/elastic_recovery.py --trainer   # the same, through the Trainer
     sudo .venv/bin/python benchmarks/elastic_recovery.py --cluster   # 2 hosts x 2 workers
 
 One host: 3 workers under `lockstep run --elastic`; at step 40 (mid-epoch) one is killed
@@ -36,8 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def launcher(nproc: int, endpoint: str, record: Path, extra: list[str]) -> list[str]:
+    # (every launcher of one job: the same run folder, for the Trainer's checkpoints)
+    run_dir = ["--run-dir", str(record / "run")] if SCRIPT.endswith("trainer.py") else []
     return [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
-            "--rdzv-endpoint", endpoint, SCRIPT, "--record", str(record), *extra]
+            "--rdzv-endpoint", endpoint, SCRIPT, "--record", str(record), *run_dir, *extra]
 
 
 def records(folder: Path) -> list[dict[str, Any]]:
@@ -217,7 +220,12 @@ def main() -> None:
     p.add_argument("--compress", default=None, help="bf16 or fp16 on the wire")
     p.add_argument("--cut", type=float, default=0.0, help="with --cluster: cut host 1's "
                    "link for this many seconds instead of killing its processes")
+    p.add_argument("--trainer", action="store_true", help="the job through lockstep.Trainer "
+                   "(examples/elastic_trainer.py) rather than Elastic.run_step")
     args = p.parse_args()
+    if args.trainer:
+        global SCRIPT
+        SCRIPT = str(ROOT / "examples" / "elastic_trainer.py")
     with tempfile.TemporaryDirectory(prefix="lockstep-elastic-") as tmp:
         (cluster if args.cluster else one_host)(args, Path(tmp))
 

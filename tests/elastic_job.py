@@ -19,7 +19,7 @@ from torch import nn
 import lockstep
 from lockstep import comm
 from lockstep.elastic import Elastic, ElasticConfig, batch_slice
-from lockstep.elastic.quorum import pending_joiners
+from lockstep.elastic.heartbeat import pending_joiners
 from lockstep.lowcomm.rounds import DiLoCo, LocalSGD
 
 SAMPLES, FEATURES = 240, 8

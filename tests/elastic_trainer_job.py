@@ -20,7 +20,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 import lockstep
 from lockstep.elastic import ElasticConfig
-from lockstep.elastic.quorum import pending_joiners
+from lockstep.elastic.heartbeat import pending_joiners
 from lockstep.training.resume import CheckpointConfig
 from tests import elastic_job
 

@@ -28,7 +28,7 @@ import torch
 from lockstep.comm import CollectiveError
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
-from lockstep.elastic.quorum import PREFIX
+from lockstep.elastic.store import PREFIX
 from lockstep.launch.elastic import worker_name
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_every_member_stops_for_joiners_at_the_step_set_even_if_its_heartbeat_la
     learnt by the others' heartbeats; a member whose heartbeat has not learnt it yet (a
     starved thread: a loaded machine) must still stop there, not go into the step."""
     from lockstep.elastic import ElasticConfig
-    from lockstep.elastic.quorum import PREFIX, Coordinator
+    from lockstep.elastic.quorum import Coordinator
 
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -36,19 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep import comm
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import World, current
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE, ElasticConfig
+from lockstep.elastic.failures import first_line, forget_frames, membership_failure
 from lockstep.elastic.handover import hand_over
 from lockstep.elastic.membership import Membership, describe, install, report
-from lockstep.elastic.quorum import (
-    Coordinator,
-    Excluded,
-    QuorumError,
-    StoreGone,
-    store_gone,
-)
+from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
+from lockstep.elastic.store import store_gone
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
@@ -66,19 +60,6 @@ def batch_slice(step: int, global_batch: int, rank: int, world_size: int) -> ran
     lo = start + rank * global_batch // world_size
     hi = start + (rank + 1) * global_batch // world_size
     return range(lo, hi)
-
-
-def membership_failure(error: BaseException) -> bool:
-    """Whether `error` says a peer is gone or unreachable (and the membership must be
-    agreed again), rather than a fault in this rank's own work."""
-    if isinstance(error, StoreGone):  # nobody left to agree through: not survivable
-        return False
-    if isinstance(error, (comm.CollectiveError, dist.DistError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
-                                  "Timed out waiting", "gloo", "Broken pipe"))
 
 
 class Elastic:
@@ -238,7 +219,7 @@ class Elastic:
             if not membership_failure(error):
                 raise
             log.warning("rank %d: the drift check at step %d was interrupted: %s",
-                        self.world.rank, self.step, _first_line(error))
+                        self.world.rank, self.step, first_line(error))
 
     # ---- failures ------------------------------------------------------------------------
 
@@ -254,8 +235,8 @@ class Elastic:
                           self.world.rank, self.step, self._failures)
                 raise error
             log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
-                        self.step, _first_line(error))
-            _forget_frames(error)
+                        self.step, first_line(error))
+            forget_frames(error)
             if self._phase == 0:  # the step's partial gradients are not to be used
                 self.optimizer.zero_grad(set_to_none=True)
             try:
@@ -290,7 +271,7 @@ class Elastic:
         """Close the old group's connections before the quorum, so a peer still blocked in
         a collective with this rank fails at once rather than at its timeout. Nothing may
         keep the group alive: the wrapper's own groups go with it, and the failed work
-        with the error's frames (_forget_frames)."""
+        with the error's frames (failures.forget_frames)."""
         if drop_wrapper and self.model is not None:
             close = getattr(self.model, "close", None)
             if close is not None:
@@ -390,22 +371,3 @@ def _address(address: str | None) -> str:
 
 def _host() -> str:
     return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
-
-
-def _forget_frames(error: BaseException) -> None:
-    """Drop the frames an error (and the errors it came from) keeps: they hold the failed
-    collective's work, which holds the group's connections open."""
-    pending: list[BaseException | None] = [error]
-    seen: set[int] = set()
-    while pending:
-        e = pending.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        e.__traceback__ = None
-        pending += [e.__cause__, e.__context__]
-
-
-def _first_line(error: BaseException) -> str:
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return re.sub(r"^rank \d+: ", "", line)[:200]  # the log record names the rank already

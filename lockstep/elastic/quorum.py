@@ -7,7 +7,8 @@ started the job; `LOCKSTEP_ELASTIC=HOST:PORT` says where). Keys, under `lockstep
     terms/<id>               what it trains (terms.py): a joiner must match the job's
     refused/<id>             why a joiner was turned away (it differs from the job)
     hb/<id>                  a counter its heartbeat thread bumps every `heartbeat_s`
-    left/<id>                set when it leaves cleanly, or once it is judged dead
+    left/<id>                set when it leaves cleanly, by its launcher when its process
+                             exits, or once it is judged dead
     q/<e>/in/<id>            a member's registration for epoch e: its committed step
     q/<e>/n, q/<e>/leader    arrivals; the first to arrive decides the epoch
     members/<e>              the decision (membership.Membership as JSON), or "abandoned"
@@ -24,11 +25,8 @@ mid-way is replaced by "abandoned", and everyone moves on to e+1).
 
 from __future__ import annotations
 
-import atexit
 import json
-import math
 import os
-import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -36,8 +34,9 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lockstep.comm.diagnostics import connection_lost
+from lockstep.elastic.heartbeat import Heartbeat, Liveness, admissible_joiners
 from lockstep.elastic.membership import Candidate, Membership, decide
-from lockstep.elastic.terms import differences
+from lockstep.elastic.store import PREFIX, connect, store_gone
 from lockstep.logs import get_logger
 
 if TYPE_CHECKING:
@@ -45,7 +44,6 @@ if TYPE_CHECKING:
 
 log = get_logger(__name__)
 
-PREFIX = "lockstep/elastic/"
 ABANDONED = "abandoned"
 _POLL_S = 0.02
 
@@ -58,18 +56,6 @@ class Excluded(RuntimeError):
     """This worker was judged dead by the others (it stalled too long): it must join again."""
 
 
-class StoreGone(RuntimeError):
-    """The job's store does not answer: the members can no longer agree on anything, so a
-    failure cannot be survived (training without failures goes on)."""
-
-
-def store_gone(address: str, error: BaseException) -> StoreGone:
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-    return StoreGone(f"the job's store at {address} does not answer ({first}): the launcher "
-                     "that hosts it (the job's first `lockstep run --elastic`) has exited or "
-                     "cannot be reached")
-
-
 class JoinRefused(RuntimeError):
     """The job turned this worker away: it differs in what decides the training."""
 
@@ -79,153 +65,6 @@ class JobFinished(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
-
-
-def connect(address: str, timeout: timedelta) -> dist.Store:
-    """The job's store at HOST:PORT (the launcher hosts it), under lockstep's prefix."""
-    host, _, port = address.rpartition(":")
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                             timeout=timeout)
-    except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError
-        raise store_gone(address, error) from None
-
-
-class Liveness:
-    """Judges workers by their heartbeat counters: alive once a counter moves, dead once it
-    stands still for `dead_after_s` (or the worker left). Only moves count, so hosts'
-    clocks never need to agree."""
-
-    def __init__(self, store: dist.Store, dead_after_s: float) -> None:
-        self.store, self.dead_after_s = store, dead_after_s
-        self._seen: dict[int, tuple[int, float, bool]] = {}  # id -> beats, since, moved
-
-    def observe(self, worker: int) -> str:
-        """"alive", "dead", or "unknown" (not watched long enough to say)."""
-        if self.store.check([f"left/{worker}"]):
-            return "dead"
-        beats, now = int(self.store.add(f"hb/{worker}", 0)), time.monotonic()
-        seen = self._seen.get(worker)
-        if seen is None or beats != seen[0]:
-            self._seen[worker] = (beats, now, seen is not None)
-            return "alive" if seen is not None else "unknown"
-        if now - seen[1] >= self.dead_after_s:
-            return "dead"
-        return "alive" if seen[2] else "unknown"
-
-    def silent_for(self, worker: int) -> float:
-        seen = self._seen.get(worker)
-        return 0.0 if seen is None else time.monotonic() - seen[1]
-
-
-def pending_joiners(store: dist.Store) -> list[int]:
-    """Workers waiting to join, in arrival order (not yet admitted, not gone)."""
-    count = int(store.add("joiners", 0))
-    keys = [f"joiner/{k}" for k in range(count)]
-    ids = [int(store.get(key)) for key in keys if store.check([key])]
-    return [i for i in ids if not store.check([f"admitted/{i}"])
-            and not store.check([f"left/{i}"])]
-
-
-def admissible_joiners(store: dist.Store, terms: dict[str, Any]) -> list[int]:
-    """Pending joiners whose terms match the job's (`terms`, the asking member's own).
-    Any other is refused here, once: told why (refused/<id>), and no longer pending --
-    the members never stop for it."""
-    admissible = []
-    for joiner in pending_joiners(store):
-        theirs = json.loads(store.get(f"terms/{joiner}")) \
-            if store.check([f"terms/{joiner}"]) else {}
-        differ = differences(terms, theirs)
-        if not differ:
-            admissible.append(joiner)
-            continue
-        host, pid = json.loads(store.get(f"host/{joiner}"))
-        reason = "; ".join(differ)
-        log.warning("refused worker %d (pid %d on host %s): it differs from the job in "
-                    "what is trained: %s", joiner, pid, host, reason)
-        store.set(f"refused/{joiner}", reason)
-        store.set(f"left/{joiner}", "1")
-    return admissible
-
-
-class Heartbeat:
-    """A daemon thread with its own store connection: bumps this worker's counter, learns
-    when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
-    step when joiners are waiting: far enough ahead (about a second of steps, and at least
-    two: no member can be past it yet) that members usually learn it here, and on a round
-    boundary (`align`). A member that has not is told by the store (`grow_due`)."""
-
-    def __init__(self, address: str, worker: int, config: ElasticConfig,
-                 terms: dict[str, Any]) -> None:
-        self._store_timeout_s = config.collective_timeout_s
-        self.terms, self.address = terms, address
-        self.store = dist.PrefixStore(PREFIX, connect(address, timedelta(
-            seconds=self._store_timeout_s)))
-        self.worker, self.interval = worker, config.heartbeat_s
-        self.membership: Membership | None = None
-        self.align = 1
-        self.step, self._step_s = 0, 0.1
-        self._last_tick: float | None = None
-        self._grow: tuple[int, int] | None = None  # (epoch, step)
-        self._stop = threading.Event()
-        self._complained = False
-        self.lost = False  # the store's server is gone
-        self._thread = threading.Thread(target=self._run, name="lockstep-heartbeat",
-                                        daemon=True)
-        self._thread.start()
-        atexit.register(self.stop)  # a job that ends without finish() or leave() too
-
-    def follow(self, membership: Membership, align: int) -> None:
-        self.membership, self.align = membership, max(1, align)
-
-    def tick(self, step: int) -> None:
-        """The training thread reached a step boundary (a plain write; the thread reads)."""
-        now = time.monotonic()
-        if self._last_tick is not None and step == self.step + 1:
-            self._step_s = 0.8 * self._step_s + 0.2 * (now - self._last_tick)
-        self.step, self._last_tick = step, now
-
-    def grow_at(self, epoch: int) -> int | None:
-        grow = self._grow
-        return grow[1] if grow is not None and grow[0] == epoch else None
-
-    def stop(self) -> None:
-        """Stop beating, and wait for the thread until it has stopped: one still inside a
-        store call while the interpreter exits aborts the process ("terminate called without
-        an active exception"). Its store calls end within the store's timeout."""
-        atexit.unregister(self.stop)
-        self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=self._store_timeout_s)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.store.add(f"hb/{self.worker}", 1)
-                self._watch_growth()
-            except Exception as error:  # the store's host is gone: quorums will say so
-                if not self._complained:
-                    self._complained = True
-                    log.warning("worker %d: %s; training goes on, but a worker's failure "
-                                "can no longer be survived", self.worker,
-                                store_gone(self.address, error))
-                if connection_lost(error):  # for good: no more calls (each logs a C++
-                    self.lost = True        # stack trace)
-                    return
-            self._stop.wait(self.interval)
-
-    def _watch_growth(self) -> None:
-        m = self.membership
-        if m is None or self.grow_at(m.epoch) is not None:
-            return
-        key = f"grow/{m.epoch}"
-        if not self.store.check([key]):
-            if m.me != m.ids[0] or not admissible_joiners(self.store, self.terms):
-                return
-            ahead = max(2, math.ceil(1.0 / max(self._step_s, 1e-3)))
-            at = math.ceil((self.step + ahead) / self.align) * self.align
-            self.store.compare_set(key, "", str(at))
-        self._grow = (m.epoch, int(self.store.get(key)))
 
 
 class Coordinator:

@@ -26,7 +26,8 @@ from types import FrameType
 import torch.distributed as dist
 
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
-from lockstep.elastic.quorum import PREFIX, Liveness
+from lockstep.elastic.heartbeat import Liveness
+from lockstep.elastic.store import PREFIX
 from lockstep.launch.run import LaunchSpec, check_target, threads_per_worker
 
 _JOB_KEY = PREFIX + "job"
@@ -139,7 +140,7 @@ def worker_name(store: dist.Store, host: str, pid: int) -> str:
 
 def mark_gone(store: dist.Store, host: str, pid: int) -> None:
     """Tell the job that this host's worker `pid` has exited: its peers take it as gone at
-    once (quorum.Liveness), instead of waiting for its heartbeat to stand still."""
+    once (heartbeat.Liveness), instead of waiting for its heartbeat to stand still."""
     view = dist.PrefixStore(PREFIX, store)
     with contextlib.suppress(Exception):  # the job's store may be gone too
         for worker in range(int(view.add("next_id", 0))):

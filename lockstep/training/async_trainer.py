@@ -34,9 +34,9 @@ from lockstep.training import checkpoint, configfile
 from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
+from lockstep.training.feed import micro_batches, steps_per_epoch
 from lockstep.training.runlog import RunLog, plot_run
 from lockstep.training.sampler import ShardedSampler
-from lockstep.training.trainer import lr_schedule, micro_batches, steps_per_epoch
 
 
 class AsyncTrainer:
@@ -69,7 +69,7 @@ class AsyncTrainer:
         self.optimizer = optimizer(self.module.parameters())
         self.total_steps = min(self.steps_per_epoch * self.config.epochs,
                                self.config.max_steps or 1 << 62)
-        self.schedule = lr_schedule(self.config, self.total_steps)
+        self.schedule = self.config.lr_schedule(self.total_steps)
         self.run_dir = Path(self.config.run_dir)
 
     def fit(self) -> dict[str, Any]:

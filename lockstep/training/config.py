@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from lockstep.elastic.config import ElasticConfig
 from lockstep.lowcomm.paramserver import AsyncConfig
 from lockstep.lowcomm.rounds import DiLoCoConfig, LocalSGDConfig
+from lockstep.optim import LRSchedule, goyal_schedule
 from lockstep.replication.precision import check_precision
 from lockstep.replication.sync import SyncConfig
 from lockstep.sharding.sharded import ShardConfig
@@ -85,6 +86,15 @@ class TrainConfig:
     step it interrupted, the survivors go on at once, and workers started later join at a
     step boundary -- with the same global batches, schedule and checkpoints. None: a
     failure stops the run (resume it from its last checkpoint)."""
+
+    def lr_schedule(self, total_steps: int) -> LRSchedule | None:
+        """The learning rate per step that `lr` and its settings ask for (None: no `lr`)."""
+        if self.lr is None:
+            return None
+        if self.base_batch_size:
+            return goyal_schedule(self.lr, self.global_batch_size, self.base_batch_size,
+                                  self.warmup_steps, total_steps, self.decay)
+        return LRSchedule(self.lr, self.warmup_steps, 0.0, total_steps, self.decay)
 
     def validate(self) -> None:
         if self.global_batch_size < 1:

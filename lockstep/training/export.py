@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep import comm
 from lockstep.training.optional import available
 
 _NO_SAFETENSORS = ("{path}: .safetensors files need the safetensors package, which is not "
@@ -69,3 +70,16 @@ def load_weights(module: nn.Module, path: str | Path) -> nn.Module:
                              "file if that is meant, lockstep does not convert weights")
     module.load_state_dict(state)
     return module
+
+
+def export_run(model: Any, path: str | Path, finished_before: bool) -> Path | None:
+    """Trainer.export: the weights to `path` -- except after a fit() that found the run
+    already finished, where a file already at `path` holds the same weights and is left
+    as it is (remove it to write it again)."""
+    if finished_before and comm.broadcast_object(  # one answer: ZeRO-3 gathers
+            Path(path).is_file(), 0, "trainer: is the finished run's export there"):
+        if comm.rank_of() == 0:
+            print(f"{path} exists and this run had already finished: left as it is "
+                  "(remove it to export again)", flush=True)
+        return Path(path) if comm.rank_of() == 0 else None
+    return export_weights(model, path)

@@ -17,7 +17,18 @@ from lockstep.training.trackers import Tracker, open_trackers
 log = get_logger(__name__)
 CONFIG = "config.json"
 
-__all__ = ["CONFIG", "RunLog", "plot_run", "read_metrics"]
+__all__ = ["CONFIG", "RunLog", "Window", "plot_run", "read_metrics", "recorded_eval"]
+
+
+def recorded_eval(run_dir: Path, step: int) -> dict[str, Any] | None:
+    """The evaluation a run recorded at `step` (metrics.jsonl), or None (none, or a damaged
+    log: evaluate instead)."""
+    try:
+        found = [r for r in read_metrics(run_dir) if isinstance(r, dict)
+                 and r.get("kind") == "eval" and r.get("step") == step]
+    except (OSError, ValueError):
+        return None
+    return found[-1] if found else None
 
 
 class RunLog:
@@ -75,3 +86,22 @@ class RunLog:
             tracker.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+class Window:
+    """The steps since the metrics were last recorded."""
+
+    def __init__(self) -> None:
+        self.steps, self.kept, self.loss = 0, 0, 0.0  # kept: not dropped as non-finite
+        self.started = time.perf_counter()
+
+    def add(self, loss: float | None) -> None:
+        self.steps += 1
+        if loss is not None:
+            self.kept, self.loss = self.kept + 1, self.loss + loss
+
+    def mean_loss(self) -> float:
+        return self.loss / max(self.kept, 1)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started

@@ -1,5 +1,5 @@
-"""Survival: what the Trainer's loop asks of fault tolerance -- as `Replica` is what it asks
-of a parallel mode.
+"""The two answers to `Survival` (protocols.py), what the Trainer's loop asks of fault
+tolerance.
 
 The loop hands each step to `run_step(train_step)` and its other collective work (the
 logged loss's average, evaluation, checkpoints) to `collective(fn)`; it reads the step
@@ -15,26 +15,17 @@ between steps. Two answer it:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
 
 from lockstep.comm.world import World, current
+from lockstep.elastic.job import Elastic
+from lockstep.training.resume import RunState
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class Survival(Protocol):
-    step: int
-    """Steps the job has committed."""
-    model: Any
-    """The parallel model now (a Replica): read it again after every step."""
-
-    @property
-    def world(self) -> World: ...
-    def run_step(self, train_step: Callable[[Any, int], T]) -> T | None: ...
-    def collective(self, fn: Callable[[], T], skipped: T | None = None) -> T | None: ...
-    def finish(self) -> None: ...
 
 
 class Steady:
@@ -59,3 +50,34 @@ class Steady:
 
     def finish(self) -> None:
         pass
+
+
+def elastic_survival(module: nn.Module, optimizer: torch.optim.Optimizer, config: Any,
+                     update: Callable[[], None], carried: Mapping[str, Any],
+                     train_set: Any, eval_set: Any) -> Elastic:
+    """Join (or form) the Trainer's fault-tolerant job. `carried` (objects with state_dict;
+    None for one the run lacks) travel to joiners. Every worker must agree on what decides
+    the training -- the config (its display aside) and the data's size -- or a joiner is
+    refused (elastic/terms.py)."""
+    from lockstep.training.configfile import as_record
+
+    record = {k: v for k, v in as_record(config).items() if k not in ("progress", "trackers")}
+    agree = {"config": record, "train_samples": len(train_set),
+             "eval_samples": len(eval_set) if eval_set is not None else None}
+    state = {name: obj for name, obj in carried.items() if obj is not None}
+    return Elastic(module, optimizer, config.parallel.build, state=state,
+                   config=config.elastic, update=update, agree=agree)
+
+
+class CarriedRunState:
+    """The run's evaluation history, as a state_dict a joining worker receives (its step
+    comes from the job)."""
+
+    def __init__(self, state: RunState) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.state.history}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.state.history = list(saved["history"])

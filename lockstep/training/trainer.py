@@ -22,56 +22,32 @@ Asynchronous training has its own entry point, AsyncTrainer.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data import Dataset
 
 from lockstep import comm
 from lockstep.comm.world import World, current, init
-from lockstep.elastic.job import Elastic
 from lockstep.lowcomm.paramserver import AsyncConfig
-from lockstep.optim import LRSchedule, goyal_schedule, set_lr
+from lockstep.optim import set_lr
 from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.replication.precision import LossScaler, autocast
 from lockstep.seeding import seed_everything
 from lockstep.training import checkpoint, configfile, export
-from lockstep.training.batching import batch_share, plan_batches, share_divisor
+from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
+from lockstep.training.feed import Batch, MicroBatch, Shares, micro_batches, steps_per_epoch
+from lockstep.training.protocols import Replica, Survival
 from lockstep.training.resume import Checkpoints, RunState
-from lockstep.training.runlog import RunLog, plot_run, read_metrics
-from lockstep.training.sampler import ShardedSampler, global_order
-from lockstep.training.survival import Steady, Survival
-
-Batch = tuple[torch.Tensor, torch.Tensor]
-MicroBatch = tuple[torch.Tensor, torch.Tensor, float]  # inputs, targets, the loss's divisor
-
-
-@runtime_checkable
-class Replica(Protocol):
-    """What the loop asks of a parallel model: DataParallel (sharded or not), LocalSGD and
-    DiLoCo each answer it."""
-
-    module: nn.Module
-    group: comm.Group
-
-    def no_sync(self) -> AbstractContextManager[None]: ...
-    def after_step(self) -> None: ...
-    def in_sync(self) -> bool: ...
-    def finish(self) -> None: ...
-    def comm_stats(self) -> dict[str, float]: ...
-    def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any: ...
-    def checkpoint_model(self) -> nn.Module: ...
-    def checkpoint_tensors(self) -> dict[str, torch.Tensor]: ...
-    def full_state_dict(self) -> dict[str, torch.Tensor]: ...
-    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+from lockstep.training.runlog import RunLog, Window, plot_run, recorded_eval
+from lockstep.training.sampler import ShardedSampler
+from lockstep.training.survival import CarriedRunState, Steady, elastic_survival
 
 
 class Trainer:
@@ -96,8 +72,9 @@ class Trainer:
         self.train_set, self.eval_set, self.loss_fn = train_set, eval_set, loss_fn
         self.steps_per_epoch = steps_per_epoch(train_set, self.config.global_batch_size)
         self.state = RunState()
-        self._carried = _CarriedRunState(self.state)
-        self._order: tuple[int, torch.Tensor | None] = (-1, None)  # the epoch's sample order
+        self._carried = CarriedRunState(self.state)
+        self._shares = Shares(train_set, self.config.global_batch_size, self.steps_per_epoch,
+                              self.config.seed, self.config.max_batch_per_rank)
         self._dropped, self._dropped_before = False, 0
         self.runlog = RunLog(Path(self.config.run_dir), False, 0, 0)  # silent until fit()
         if self.config.elastic is None:
@@ -116,7 +93,7 @@ class Trainer:
         self.plan = plan_batches(self.config.global_batch_size, self.world.world_size,
                                  self.config.max_batch_per_rank) \
             if isinstance(self.survival, Steady) else None
-        self.schedule = lr_schedule(self.config, self.total_steps)
+        self.schedule = self.config.lr_schedule(self.total_steps)
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
         self.finished_before = False  # fit() found the run's checkpoint at its end
@@ -146,21 +123,10 @@ class Trainer:
             else torch.device("cpu")  # elastic: the group is formed later, by Elastic
         return model.to(device)
 
-    def _elastic(self, module: nn.Module) -> Elastic:
-        """Join (or form) the fault-tolerant job. Every worker must agree on what decides
-        the training -- the config, the data's size -- or a joiner is refused."""
-        carried: dict[str, Any] = {"run": self._carried}
-        if self.scheduler is not None:
-            carried["scheduler"] = self.scheduler
-        if self.scaler is not None:
-            carried["scaler"] = self.scaler
-        record = {k: v for k, v in self._config_record().items()
-                  if k not in ("progress", "trackers")}  # the rest decides what is trained
-        agree = {"config": record, "train_samples": len(self.train_set),  # type: ignore[arg-type]
-                 "eval_samples": len(self.eval_set) if self.eval_set is not None else None}  # type: ignore[arg-type]
-        return Elastic(module, self.optimizer, self.config.parallel.build,  # type: ignore[union-attr]
-                       state=carried, config=self.config.elastic, update=self._update,
-                       agree=agree)
+    def _elastic(self, module: nn.Module) -> Survival:
+        carried = {"run": self._carried, "scheduler": self.scheduler, "scaler": self.scaler}
+        return elastic_survival(module, self.optimizer, self.config, self._update, carried,
+                                self.train_set, self.eval_set)
 
     @property
     def model(self) -> Replica:
@@ -255,19 +221,16 @@ class Trainer:
     def _recorded_metrics(self) -> dict[str, float]:
         """The evaluation a finished run recorded at its last step (metrics.jsonl, read by
         rank 0 for all); evaluated again, unrecorded, only where none was recorded."""
-        found = []
-        if self.world.is_main:
-            with contextlib.suppress(OSError, ValueError):  # a damaged log: evaluate instead
-                found = [r for r in read_metrics(self.run_dir) if isinstance(r, dict)
-                         and r.get("kind") == "eval" and r.get("step") == self.state.global_step]
+        found = recorded_eval(self.run_dir, self.state.global_step) if self.world.is_main \
+            else None
         recorded = self.survival.collective(lambda: comm.broadcast_object(
-            found[-1] if found else None, 0, "trainer: the finished run's last evaluation"))
+            found, 0, "trainer: the finished run's last evaluation"))
         return dict(recorded) if recorded else self.evaluate()
 
     def _train_epoch(self) -> int:
         """Run the rest of the current epoch; returns global samples trained."""
         loader = self._micro_batches() if isinstance(self.survival, Steady) else None
-        window = _Window()
+        window = Window()
         trained, epoch_done = 0, False
         while not epoch_done and self.state.global_step < self.total_steps:
             window.add(self._train_step(loader))
@@ -278,7 +241,7 @@ class Trainer:
             if self.state.global_step % self.config.log_every_steps == 0 or \
                     self.state.global_step == self.total_steps:
                 self._log_window(window)
-                window = _Window()
+                window = Window()
             paused = time.perf_counter()
             if self._mid_epoch_eval_due(epoch_done):
                 self._evaluate_and_record()
@@ -317,18 +280,7 @@ class Trainer:
             assert self.plan is not None
             accumulation = self.plan.accumulation
             return [lambda: (*next(loader), accumulation)] * accumulation
-        epoch, within = divmod(step, self.steps_per_epoch)
-        if self._order[0] != epoch:
-            self._order = (epoch, global_order(len(self.train_set), self.config.seed, epoch,  # type: ignore[arg-type]
-                                               shuffle=True))
-        order, world = self._order[1], self.world
-        assert order is not None
-        G = self.config.global_batch_size
-        return [functools.partial(fetch, self.train_set, order[list(positions)],
-                                  share_divisor(G, len(positions), world.world_size),
-                                  world.device)
-                for positions in batch_share(within, G, world.rank, world.world_size,
-                                             self.config.max_batch_per_rank)]
+        return self._shares(step, self.world)
 
     def _gradients(self, model: Replica, batches: list[Callable[[], MicroBatch]]) -> float:
         """Forward and backward over a step's micro-batches: the gradients, averaged over
@@ -374,7 +326,7 @@ class Trainer:
     def _dropped_steps(self) -> int:
         return int(self.model.comm_stats().get("skipped_steps", 0))
 
-    def _log_window(self, window: _Window) -> None:
+    def _log_window(self, window: Window) -> None:
         def average() -> float:
             mean = comm.control_tensor([window.mean_loss()], dtype=torch.float32)
             comm.all_reduce(mean, "trainer: average of the logged loss")
@@ -439,78 +391,4 @@ class Trainer:
         writes and gets the path, the others None. Load with `lockstep.load_weights`.
         After a `fit()` that found the run already finished, a file already at `path` is
         left as it is (it holds the same weights): remove it to write it again."""
-        if self.finished_before and comm.broadcast_object(  # one answer: ZeRO-3 gathers
-                Path(path).is_file(), 0, "trainer: is the finished run's export there"):
-            if self.world.is_main:
-                print(f"{path} exists and this run had already finished: left as it is "
-                      "(remove it to export again)", flush=True)
-            return Path(path) if self.world.is_main else None
-        return export.export_weights(self.model, path)
-
-
-class _Window:
-    """The steps since the metrics were last recorded."""
-
-    def __init__(self) -> None:
-        self.steps, self.kept, self.loss = 0, 0, 0.0  # kept: not dropped as non-finite
-        self.started = time.perf_counter()
-
-    def add(self, loss: float | None) -> None:
-        self.steps += 1
-        if loss is not None:
-            self.kept, self.loss = self.kept + 1, self.loss + loss
-
-    def mean_loss(self) -> float:
-        return self.loss / max(self.kept, 1)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-
-def steps_per_epoch(train_set: Dataset[Any], global_batch: int) -> int:
-    steps = len(train_set) // global_batch  # type: ignore[arg-type]
-    if steps == 0:
-        raise ValueError(f"the training set ({len(train_set)} samples) is smaller than one "  # type: ignore[arg-type]
-                         f"global batch ({global_batch})")
-    return steps
-
-
-def lr_schedule(c: TrainConfig, total_steps: int) -> LRSchedule | None:
-    if c.lr is None:
-        return None
-    if c.base_batch_size:
-        return goyal_schedule(c.lr, c.global_batch_size, c.base_batch_size, c.warmup_steps,
-                              total_steps, c.decay)
-    return LRSchedule(c.lr, c.warmup_steps, 0.0, total_steps, c.decay)
-
-
-def micro_batches(dataset: Dataset[Any], sampler: ShardedSampler, size: int, seed: int,
-                  device: torch.device) -> Iterator[Batch]:
-    """Micro-batches in `sampler`'s order, on `device`. A private generator: creating a
-    loader iterator otherwise draws from the global RNG, at a different point in a resumed
-    run, and shifts every dropout mask after."""
-    loader = DataLoader(dataset, batch_size=size, sampler=sampler,
-                        generator=torch.Generator().manual_seed(seed))
-    for x, y in loader:
-        yield x.to(device), y.to(device)
-
-
-def fetch(dataset: Dataset[Any], indices: torch.Tensor, divisor: float,
-          device: torch.device) -> MicroBatch:
-    """The samples at `indices`, collated as a DataLoader would, on `device`."""
-    x, y = default_collate([dataset[i] for i in indices.tolist()])
-    return x.to(device), y.to(device), divisor
-
-
-class _CarriedRunState:
-    """The run's evaluation history, as a state_dict a joining worker receives (its step
-    comes from the job)."""
-
-    def __init__(self, state: RunState) -> None:
-        self.state = state
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"history": self.state.history}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.state.history = list(saved["history"])
+        return export.export_run(self.model, path, self.finished_before)

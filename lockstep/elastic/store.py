@@ -1,0 +1,34 @@
+"""The job's store: where a fault-tolerant job's workers agree (quorum.py) and beat
+(heartbeat.py). Today one TCPStore, hosted by the job's first launcher; this module is the
+one place that connects to it and says, in words, when it is gone.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+PREFIX = "lockstep/elastic/"
+
+
+class StoreGone(RuntimeError):
+    """The job's store does not answer: the members can no longer agree on anything, so a
+    failure cannot be survived (training without failures goes on)."""
+
+
+def store_gone(address: str, error: BaseException) -> StoreGone:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    return StoreGone(f"the job's store at {address} does not answer ({first}): the launcher "
+                     "that hosts it (the job's first `lockstep run --elastic`) has exited or "
+                     "cannot be reached")
+
+
+def connect(address: str, timeout: timedelta) -> dist.Store:
+    """The job's store at HOST:PORT (the launcher hosts it), under lockstep's prefix."""
+    host, _, port = address.rpartition(":")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                             timeout=timeout)
+    except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError
+        raise store_gone(address, error) from None
