@@ -90,9 +90,11 @@ def admissible_joiners(store: dist.Store, terms: dict[str, Any]) -> list[int]:
 class Heartbeat:
     """A daemon thread with its own store connection: bumps this worker's counter, learns
     when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
-    step when joiners are waiting: far enough ahead (about a second of steps, and at least
-    two: no member can be past it yet) that members usually learn it here, and on a round
-    boundary (`align`). A member that has not is told by the store (`grow_due`)."""
+    step when joiners are waiting: two steps ahead (no member can be past it yet: they are
+    within a step of each other), or a fifth of a second of steps if more, and on a round
+    boundary (`align`). A member whose heartbeat has not learnt it yet asks the store at
+    each step boundary (`grow_due`), so a joiner waits for little more than two steps.
+    (A second ahead, as before, kept a joiner waiting about that long.)"""
 
     def __init__(self, address: str, worker: int, config: ElasticConfig,
                  terms: dict[str, Any]) -> None:
@@ -161,7 +163,7 @@ class Heartbeat:
         if not self.store.check([key]):
             if m.me != m.ids[0] or not admissible_joiners(self.store, self.terms):
                 return
-            ahead = max(2, math.ceil(1.0 / max(self._step_s, 1e-3)))
+            ahead = max(2, math.ceil(0.2 / max(self._step_s, 1e-3)))
             at = math.ceil((self.step + ahead) / self.align) * self.align
             self.store.compare_set(key, "", str(at))
         self._grow = (m.epoch, int(self.store.get(key)))
