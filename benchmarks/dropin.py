@@ -92,7 +92,12 @@ def run_script(name: str, wrapper: str, quick: bool, work: Path,
         [str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
          str(ROOT / "examples" / "ddp_dropin" / script.file), *args],
         cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
+    # torch's DDP itself, at exit, now and then dies with SIGABRT in its Gloo teardown
+    # ("terminate called without an active exception") after the script has finished:
+    # rank 0's record, written after the last step, says it did. Not lockstep's run: for
+    # lockstep an abort is a failure (tests/test_exit.py).
+    torch_abort_at_exit = wrapper == "ddp" and "(SIGABRT)" in result.stderr and out.is_file()
+    if result.returncode != 0 and not torch_abort_at_exit:
         raise ScriptFailed(f"{script.file} with {wrapper}: {worker_error(result.stderr)}")
     record: dict[str, list[float]] = json.loads(out.read_text())
     return record

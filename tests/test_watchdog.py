@@ -3,6 +3,7 @@ where it stands; the timeout's error and `lockstep run`'s summary say the same."
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -385,7 +386,8 @@ def _launch_stuck(script: Path, how: str) -> tuple[int, list[tuple[float, str]],
         for line in job.stderr:
             lines.append((time.time(), line.rstrip("\n")))
             if how == "stop" and "] CollectiveError:" in line and stuck:
-                os.kill(stuck[0][0], signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # torchrun's kill came first
+                    os.kill(stuck[0][0], signal.SIGKILL)
         code = job.wait(timeout=60)
     finally:
         if job.poll() is None:
