@@ -150,3 +150,32 @@ def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
     assert sorted(f["world"] for f in finals) == [2, 2]
     assert {r["world"] for r in _records(tmp_path) if "attempt" in r} == {2}
     assert_weights(finals, reference(steps, 12))
+
+
+def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
+        tmp_path: Path) -> None:
+    """SIGSTOP of a worker for 14 s (the collective timeout is 10 s): the others go on
+    without it; woken, it finds itself left out, joins again by itself and trains the step
+    the others are at. Before, it joined again across an epoch boundary and ran that epoch's
+    evaluation alone ('desync at collective #8: ... rank 2 issued "trainer: evaluation
+    sums"'), and the job crashed in Gloo. The weights are one process's."""
+    steps, args = 400, ["--steps", "400", "--pace", "0.05"]
+    job = _launch(tmp_path, _free_port(), 3, args, "launcher.log", JOB)
+    try:
+        victim = _wait_for(tmp_path, lambda r: r["attempt"] >= 10 and r["rank"] == 1, 90,
+                           "step 10")[0]
+        os.kill(victim["pid"], signal.SIGSTOP)
+        time.sleep(14)
+        os.kill(victim["pid"], signal.SIGCONT)
+        assert job.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    log = (tmp_path / "launcher.log").read_text()
+    finals = [r for r in _records(tmp_path) if r.get("final")]
+    assert sorted(f["world"] for f in finals) == [3, 3, 3], log[-3000:]
+    assert all(f["step"] == steps for f in finals)
+    assert "epoch 1 was formed without it (it was silent too long); joining again" in log
+    assert f"worker {victim['worker']} joined the job at step" in log
+    assert "desync" not in log
+    assert_weights(finals, reference(steps, 12))

@@ -194,12 +194,12 @@ class Trainer:
 
     def _follow_step(self) -> bool:
         """Take the step the job reached (one more, or -- for a worker that was left out
-        and joined again -- several); True when it began a new epoch."""
-        step = self.survival.step
-        epoch_before = self.state.epoch
+        and joined again -- several); True when it ended an epoch. Not 'the epoch changed':
+        a worker that jumped epochs would evaluate where the others, mid-epoch, do not."""
+        step, previous = self.survival.step, self.state.global_step
         self.state.global_step = step
         self.state.epoch, self.state.step_in_epoch = divmod(step, self.steps_per_epoch)
-        return self.state.epoch != epoch_before
+        return step != previous and step % self.steps_per_epoch == 0
 
     def _follow_members(self) -> None:
         """After a regroup: the checkpoints write through the new model and world, and
