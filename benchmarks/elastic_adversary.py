@@ -77,7 +77,13 @@ def main() -> None:
               "(the collective timeout)", flush=True)
         time.sleep(max(0.0, args.stop_s - (time.time() - now)))
         os.kill(stopped, signal.SIGCONT)
-        wait_world(folder, 3, time.time(), first)
+        try:
+            wait_world(folder, 3, time.time(), first)
+        except RuntimeError:
+            for a in added:
+                a.kill()
+                print("-- the added launcher said --\n" + a.communicate()[0][-4000:])
+            raise
         print(f"SIGCONT after {args.stop_s:.0f}s: it joined again by itself", flush=True)
         for cycle in range(args.cycles):
             now = time.time()

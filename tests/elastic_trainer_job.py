@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
                    "worker is waiting to join (so a test's joiner always finds the job)")
     p.add_argument("--mode", default="sync", choices=["sync", "diloco"])
+    p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
                    "with another width differs from the job)")
     p.add_argument("--out", required=True)
@@ -75,7 +76,8 @@ def main() -> None:
         run_dir=str(out / "run"), log_every_steps=5, progress=False, trackers=(),
         eval_every_steps=10, parallel=parallel,
         checkpoint=CheckpointConfig(every_steps=10, keep=20),
-        elastic=ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5, collective_timeout_s=10.0,
+        elastic=ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5,
+                              collective_timeout_s=args.collective_timeout,
                               join_timeout_s=60.0, check_every=0))
 
     def build() -> nn.Module:

@@ -62,7 +62,8 @@ def pending_joiners(store: dist.Store) -> list[int]:
     count = int(store.add("joiners", 0))
     keys = [f"joiner/{k}" for k in range(count)]
     ids = [int(store.get(key)) for key in keys if store.check([key])]
-    return [i for i in ids if not store.check([f"admitted/{i}"])
+    # (once each: a worker left out and let in again queues again, in a slot of its own)
+    return [i for i in dict.fromkeys(ids) if not store.check([f"admitted/{i}"])
             and not store.check([f"left/{i}"])]
 
 

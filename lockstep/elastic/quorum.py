@@ -95,7 +95,11 @@ class Coordinator:
 
     def wait_admitted(self) -> Membership:
         """Queue as a joiner and wait for an epoch that includes this worker (the members
-        stop for it at their next agreed step boundary)."""
+        stop for it at their next agreed step boundary). A worker left out that joins again
+        was admitted once before: that mark goes first, or it never counts as waiting."""
+        for mark in (f"admitted/{self.id}", f"left/{self.id}"):
+            if self.store.check([mark]):
+                self.store.delete_key(mark)
         slot = int(self.store.add("joiners", 1)) - 1
         self.store.set(f"joiner/{slot}", str(self.id))
         epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
