@@ -155,11 +155,12 @@ def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
 def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
         tmp_path: Path) -> None:
     """SIGSTOP of a worker for 12 s, twice (the collective timeout is 4 s: the others stop
-    waiting for it after 4 + 5.5 s): each time the others go on without it; woken, it finds itself left out, joins again by itself and
-    trains the step the others are at. Before, it joined again across an epoch boundary and
-    ran that epoch's evaluation alone ('desync at collective #8: ... rank 2 issued "trainer:
-    evaluation sums"'), and the job crashed in Gloo; and the second time it was never let
-    in (still marked as admitted from the first). The weights are one process's."""
+    waiting for it after 4 + 5.5 s): each time the others go on without it; woken, it finds
+    itself left out, joins again by itself and trains the step the others are at. Before,
+    it joined again across an epoch boundary and ran that epoch's evaluation alone ('desync
+    at collective #8: ... rank 2 issued "trainer: evaluation sums"'), and the job crashed in
+    Gloo; and the second time it was never let in (still marked as admitted from the
+    first). The weights are one process's."""
     steps, args = 600, ["--steps", "600", "--pace", "0.05", "--collective-timeout", "4"]
     job = _launch(tmp_path, _free_port(), 3, args, "launcher.log", JOB)
     try:
