@@ -124,30 +124,34 @@ def _start(spec: LaunchSpec, endpoint: str, host: str,
     return subprocess.Popen([sys.executable, "-u", *target, *spec.args], env=env)
 
 
+def _worker_id(store: dist.Store, host: str, pid: int) -> int | None:
+    """The job's id of this host's worker `pid`, as it said when it arrived; None if it had
+    not joined yet. Raises if the job's store is gone."""
+    view = dist.PrefixStore(PREFIX, store)
+    for worker in range(int(view.add("next_id", 0))):
+        key = f"host/{worker}"
+        if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
+            return worker
+    return None
+
+
 def worker_name(store: dist.Store, host: str, pid: int) -> str:
     """A worker as the membership's messages name it: by its id in the job (handed out as
     workers arrive, so not its place among this host's workers), pid and host."""
-    view = dist.PrefixStore(PREFIX, store)
-    try:
-        for worker in range(int(view.add("next_id", 0))):
-            key = f"host/{worker}"
-            if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
-                return f"worker {worker} (pid {pid} on host {host})"
-    except Exception:  # the job's store is gone with the launcher that hosted it
-        pass
+    with contextlib.suppress(Exception):  # the job's store is gone with its launcher
+        worker = _worker_id(store, host, pid)
+        if worker is not None:
+            return f"worker {worker} (pid {pid} on host {host})"
     return f"a worker of this host (pid {pid}) that had not joined the job yet"
 
 
 def mark_gone(store: dist.Store, host: str, pid: int) -> None:
     """Tell the job that this host's worker `pid` has exited: its peers take it as gone at
     once (heartbeat.Liveness), instead of waiting for its heartbeat to stand still."""
-    view = dist.PrefixStore(PREFIX, store)
     with contextlib.suppress(Exception):  # the job's store may be gone too
-        for worker in range(int(view.add("next_id", 0))):
-            key = f"host/{worker}"
-            if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
-                view.set(f"left/{worker}", "1")
-                return
+        worker = _worker_id(store, host, pid)
+        if worker is not None:
+            dist.PrefixStore(PREFIX, store).set(f"left/{worker}", "1")
 
 
 def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str],
