@@ -321,8 +321,11 @@ def test_logged_throughput_excludes_evaluation_and_callbacks(world2: World,
     # Training is 1 / (1 + PAUSES) of the wall time: counted alone, (1 + PAUSES) = 5 times
     # the wall-clock speed; counting the pauses would give about the wall-clock speed. A
     # bound relative to this run's own speed holds on a loaded machine (a fixed one, 960
-    # samples/s, did not).
-    assert len(speeds) == 2 and min(speeds) > 2.5 * wall, (speeds, wall)
+    # samples/s, did not). The bound is on the second window (steps 6-10, with the step-5
+    # evaluation and four callbacks inside its span): the first also holds step 1's setup,
+    # which the wall-clock speed leaves out, and under load that alone made it slower than
+    # 2.5x the wall speed (CI on f08f896: 857 vs 1636 samples/s, the second window 8423).
+    assert len(speeds) == 2 and speeds[1] > 2.5 * wall, (speeds, wall)
 
 
 def train_with_step_lr(run_dir: str, steps: int) -> list[torch.Tensor]:
