@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.replication.sync import SyncConfig
     from lockstep.replication.syncbn import SyncBatchNorm, convert_sync_batchnorm
     from lockstep.seeding import seed_everything
+    from lockstep.sharding.optimizer import ZeroOptimizer
     from lockstep.sharding.sharded import ShardConfig, ShardedDataParallel, shard
     from lockstep.training.async_trainer import AsyncTrainer
     from lockstep.training.checkpoint import CheckpointError, fingerprint
@@ -107,6 +108,7 @@ _WHERE = {
     "naive_average_gradients": "lockstep.replication.oracle",
     "seed_everything": "lockstep.seeding",
     "shard": "lockstep.sharding.sharded",
+    "ZeroOptimizer": "lockstep.sharding.optimizer",
 }
 _SUBPACKAGES = ("comm", "demo", "elastic", "launch", "lowcomm", "replication", "sharding",
                 "tools", "training")
@@ -163,6 +165,7 @@ __all__ = [
     "Trainer",
     "UnusedParameterError",
     "World",
+    "ZeroOptimizer",
     "convert_sync_batchnorm",
     "export_weights",
     "fingerprint",

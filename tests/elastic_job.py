@@ -55,7 +55,7 @@ def wrapper(mode: str, every: int, algorithm: str):  # type: ignore[no-untyped-d
     if mode == "diloco":
         return lambda m: DiLoCo(m, every, outer_lr=1.0, outer_momentum=0.5)
     if mode == "zero":
-        return lambda m: lockstep.shard(m, 1)
+        return lambda m: lockstep.shard(m, 2)
     return lambda m: lockstep.DataParallel(m, algorithm=algorithm)
 
 
@@ -89,10 +89,16 @@ def main() -> None:
                    "worker is waiting to join (so a test's joiner always finds the job)")
     p.add_argument("--ballast-mb", type=int, default=0, help="a frozen parameter this "
                    "large, so that handing state to a joiner takes a while")
+    p.add_argument("--plain-optimizer", action="store_true", help="ZeRO with a torch "
+                   "optimizer (refused: it cannot be rebuilt over the shards)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     x, y = data()
     model, optimizer = build()
+    if args.mode == "zero" and not args.plain_optimizer:  # rebuilt over each membership's
+        # shards, the schedule following it
+        optimizer = lockstep.ZeroOptimizer.unbound(
+            model.parameters(), lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
     if args.ballast_mb:
         model.ballast = nn.Parameter(torch.zeros(args.ballast_mb << 17, dtype=torch.float64),
                                      requires_grad=False)

@@ -60,7 +60,8 @@ def main() -> None:
     p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
                    "worker is waiting to join (so a test's joiner always finds the job)")
-    p.add_argument("--mode", default="sync", choices=["sync", "diloco"])
+    p.add_argument("--mode", default="sync", choices=["sync", "diloco", "zero1", "zero2",
+                                                      "zero3"])
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
                    "with another width differs from the job)")
@@ -69,8 +70,11 @@ def main() -> None:
     out = Path(args.out)
     x, y = elastic_job.data()
     train = RecordedSet(x, y, out)
-    parallel = lockstep.DiLoCoConfig(sync_every=4) if args.mode == "diloco" \
-        else lockstep.SyncConfig()
+    parallel: Any = lockstep.SyncConfig()
+    if args.mode == "diloco":
+        parallel = lockstep.DiLoCoConfig(sync_every=4)
+    elif args.mode.startswith("zero"):
+        parallel = lockstep.ShardConfig(stage=int(args.mode[-1]))
     config = lockstep.TrainConfig(
         global_batch_size=args.global_batch, max_steps=args.steps, epochs=100,
         run_dir=str(out / "run"), log_every_steps=5, progress=False, trackers=(),

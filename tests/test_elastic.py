@@ -280,16 +280,34 @@ def test_diloco_loses_and_regains_a_worker_between_rounds(tmp_path: Path) -> Non
     assert grown and all(g["step"] % 4 == 0 for g in grown)
 
 
-def test_zero_is_refused_with_the_reason(tmp_path: Path) -> None:
+def test_zero_2_under_elastic_goes_on_through_a_kill_and_a_join(tmp_path: Path) -> None:
+    """ZeRO-2 in a plain loop (its optimizer a ZeroOptimizer.unbound, the schedule made over
+    it): the shards of the killed rank come from its neighbour's mirror, the joiner gets
+    its shards from the pool, and the final weights are one process's. Before, Elastic
+    refused ZeRO."""
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
+                                      "zero", "--hold-at", "30"], kill_at=8)
+    finals = _check_history(run, steps, 12)
+    for final in finals:
+        for got, want in zip(final["params"], _reference(steps, 12), strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-9, atol=1e-11)
+
+
+def test_a_plain_optimizer_under_elastic_zero_is_refused_with_what_to_pass(
+        tmp_path: Path) -> None:
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
                                        wait_for_workers=False)
     env = {**os.environ, "LOCKSTEP_ELASTIC": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, JOB, "--mode", "zero", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, JOB, "--mode", "zero", "--plain-optimizer",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=120)
     del store
     assert done.returncode != 0
-    assert "fault tolerance refuses ZeRO: each rank holds only its shard" in done.stderr
+    assert "rank 0: under ZeRO the optimizer is built again over each membership's shards" \
+        in done.stderr and "lockstep.ZeroOptimizer.unbound(net.parameters()" in done.stderr
 
 
 def _finals(out: Path, args: list[str]) -> tuple[list[dict[str, Any]], str]:

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -184,3 +185,19 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
     assert log.count(f"worker {victim['worker']} joined the job at step") == 2
     assert "desync" not in log
     assert_weights(finals, reference(steps, 12))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(
+        tmp_path: Path, stage: int) -> None:
+    """ZeRO with fault tolerance: each rank keeps the next rank's shard too, so the kill of
+    rank 1 loses no optimizer state; the survivors reshard from 3 to 2 ranks, then to 3
+    again for the joiner, and the final weights are one process's (float64). Before, the
+    Trainer refused ShardConfig with elastic=."""
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--hold-at",
+                                      "30", "--mode", f"zero{stage}"], kill_at=8, job=JOB)
+    finals = _check_history(run, steps, 12, order=order)
+    assert_weights(finals, reference(steps, 12))
+    assert "3 -> 2 workers, continuing at step" in run["stderr"]
+    assert "2 -> 3 workers" in run["stderr"]

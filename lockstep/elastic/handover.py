@@ -101,18 +101,20 @@ def _wrapper_tensors(wrapper: Any) -> dict[str, torch.Tensor]:
             if not k.startswith(PER_RANK)}
 
 
-def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer, wrapper: Any,
+def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper: Any,
               objects: dict[str, Any], *, receive: bool, receive_wrapper: bool
               ) -> dict[str, Any]:
     """Send rank 0's state to every rank; load it where `receive` (everything) or
     `receive_wrapper` (the wrapper's tensors only: a fresh wrapper on a rank that is
     otherwise level). `objects` is small picklable state (step, data position); rank 0's
-    comes back on every rank."""
+    comes back on every rank. `optimizer` None: ZeRO, whose parameters and optimizer state
+    every rank received from the pool (sharding/recovery.py): only the buffers travel."""
     mine = comm.rank_of() == SOURCE
     tensors: list[torch.Tensor] = []
     layout = None
     if mine:
-        layout = _split({"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+        layout = _split({"model": _module_state(module, whole=optimizer is not None),
+                         "optimizer": optimizer.state_dict() if optimizer else None,
                          "wrapper": _wrapper_tensors(wrapper), "rng": _rng_state(),
                          "objects": objects}, tensors)
     layout = comm.broadcast_object(layout, SOURCE, "handover: the layout of rank 0's state")
@@ -135,10 +137,20 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _load(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def _module_state(module: nn.Module, whole: bool, keep_vars: bool = False
+                  ) -> dict[str, torch.Tensor]:
+    """Its parameters and buffers, or (ZeRO) its buffers only."""
+    if whole:
+        return dict(module.state_dict(keep_vars=keep_vars))
+    return {name: b if keep_vars else b.detach() for name, b in module.named_buffers()}
+
+
+def _load(module: nn.Module, optimizer: torch.optim.Optimizer | None,
+          state: dict[str, Any]) -> None:
     with torch.no_grad():
-        _load_into(dict(module.state_dict(keep_vars=True)), state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+        _load_into(_module_state(module, optimizer is not None, keep_vars=True), state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
 
 

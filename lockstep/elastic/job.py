@@ -19,6 +19,11 @@ the survivors discard the step's partial gradients, agree on the new membership 
 the store (quorum.py), form a new group (membership.py), bring any rank that missed the
 last step level from a peer (handover.py), and redo the step at the smaller world size.
 At most the interrupted step is lost; a global batch is the same samples at any size.
+
+Under ZeRO (`wrap=lambda m: lockstep.shard(m, stage)`) each rank also keeps the next rank's
+shard, so one death loses nothing; at a regroup the new membership takes its shards from
+what the survivors held (sharding/recovery.py). The optimizer is a ZeroOptimizer.unbound,
+rebound to each membership's shards.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ from lockstep.elastic.store import store_gone
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
+from lockstep.sharding import recovery
+from lockstep.sharding.optimizer import ZeroOptimizer
+from lockstep.sharding.sharded import ShardedDataParallel, mirrored_shards
 
 log = get_logger(__name__)
 
@@ -69,8 +77,9 @@ class Elastic:
         module: the model, built the same way on every worker.
         optimizer: over `module`'s parameters; stepped by `run_step`.
         wrap: makes the data-parallel wrapper for a membership (DataParallel by default;
-            also a lockstep.lowcomm LocalSGD or DiLoCo). Called again whenever the world
-            changes (a new group); ZeRO is refused (a lost rank takes its shard with it).
+            also a lockstep.lowcomm LocalSGD or DiLoCo, or a ZeRO lockstep.shard, whose
+            shards are then mirrored: give it a ZeroOptimizer.unbound as `optimizer`).
+            Called again whenever the world changes (a new group).
         state: objects with state_dict()/load_state_dict() that a joining worker must
             receive (an LR scheduler, a loss scaler); the step and RNG go anyway.
         update: how a step's gradients are applied, once every rank has them (default:
@@ -98,7 +107,8 @@ class Elastic:
                  agree: Mapping[str, Any] | None = None) -> None:
         from lockstep.replication.replica import DataParallel
 
-        self.module, self.optimizer = module, optimizer
+        self.module = module
+        self.optimizer: Any = optimizer  # (under ZeRO, a ZeroOptimizer over the shards)
         self.wrap = wrap or DataParallel
         self.state = dict(state or {})
         self.update = update or self._step_optimizer
@@ -119,6 +129,7 @@ class Elastic:
         self._target = 0  # the step the current run_step commits
         self._rejoined = False  # the last regroup left this worker out; it joined again
         self._received = False  # this worker was brought level from a peer
+        self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
         started = time.monotonic()
         first = self.coordinator.enter()
         try:
@@ -158,6 +169,9 @@ class Elastic:
     def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
         self.completed_here = False
         if self._phase == 0:
+            begin = getattr(self.optimizer, "begin_step", None)
+            if begin is not None:  # ZeRO: whether this attempt stepped the shards
+                begin()
             self.coordinator.heartbeat.tick(self.step)
             if self.coordinator.grow_due(self._current(), self.step):
                 self._regroup(planned=True)
@@ -272,6 +286,12 @@ class Elastic:
         a collective with this rank fails at once rather than at its timeout. Nothing may
         keep the group alive: the wrapper's own groups go with it, and the failed work
         with the error's frames (failures.forget_frames)."""
+        if drop_wrapper and isinstance(self.model, ShardedDataParallel):
+            assert isinstance(self.optimizer, ZeroOptimizer)
+            self._held = recovery.hold(self.model.zero_groups, self.optimizer,
+                                       self._current().epoch, self.step)
+            self.model.abandon()  # (close() would gather stage 3's shards: a collective)
+            self.model = None
         if drop_wrapper and self.model is not None:
             close = getattr(self.model, "close", None)
             if close is not None:
@@ -290,11 +310,18 @@ class Elastic:
         self.membership = membership
         install(membership, self.coordinator.base, self.backend,
                 timedelta(seconds=self.config.collective_timeout_s))
-        if rewrap or self.model is None:
+        pooled = recovery.pool(self._held, membership.step)  # ZeRO's shards; else None
+        if pooled is not None:
+            recovery.restore(self.module, pooled)
+        if rewrap or self.model is None or pooled is not None:
             self._rewrap()
+        if pooled is not None:
+            recovery.load(self.model.zero_groups, self.optimizer, pooled)
+        self._held = None
         behind = self.coordinator.id in membership.behind
-        if membership.behind:
-            objects = hand_over(self.module, self.optimizer, self.model,
+        if membership.behind:  # (ZeRO: the pool brought parameters and optimizer level)
+            sharded = isinstance(self.model, ShardedDataParallel)
+            objects = hand_over(self.module, None if sharded else self.optimizer, self.model,
                                 self._objects(), receive=behind, receive_wrapper=rewrap)
             if behind:
                 self._load_objects(objects)
@@ -313,21 +340,18 @@ class Elastic:
                         time.monotonic() - started)
 
     def _rewrap(self) -> None:
-        from lockstep.sharding.sharded import ShardedDataParallel
-
         if self.model is not None:
             close = getattr(self.model, "close", None)
             if close is not None:
                 close()
-        self.model = self.wrap(self.module)
+        with mirrored_shards():  # a ZeRO wrapper keeps the next rank's shard too
+            self.model = self.wrap(self.module)
         self._keeps_wrapper = _trains_in_rounds(self.model)
+        self.drift = None
         if isinstance(self.model, ShardedDataParallel):
-            self.model.close()
-            raise ValueError(
-                "fault tolerance refuses ZeRO: each rank holds only its shard of the "
-                "optimizer state (and at stage 3 of the parameters), so a rank that dies "
-                "takes its shard with it and no live peer has a copy to continue from; "
-                "use a replicated DataParallel (compression and every algorithm work)")
+            self.optimizer = recovery.over_shards(self.optimizer, self.model)
+            if self.model.stage == 3:  # nothing is held alike by two ranks: nothing to check
+                return
         if self.config.check_every:
             # The wrapper says what its replicas share, and when (local rounds: at ends)
             self.drift = DriftCheck(self.model, self.config.check_every)

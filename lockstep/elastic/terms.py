@@ -27,9 +27,10 @@ def terms_of(module: nn.Module, optimizer: torch.optim.Optimizer,
     `agree` (what else decides the training: the global batch, the data's size and seed)."""
     model = {name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
              for name, t in module.state_dict().items()}
-    settings = {key: value for key, value in optimizer.defaults.items()
+    inner = getattr(optimizer, "inner", optimizer)  # ZeRO's: the torch optimizer it steps
+    settings = {key: value for key, value in inner.defaults.items()
                 if isinstance(value, (bool, int, float, str, type(None)))}
-    terms = {"model": model, "optimizer": {"kind": type(optimizer).__name__, **settings}}
+    terms = {"model": model, "optimizer": {"kind": type(inner).__name__, **settings}}
     for key, value in (agree or {}).items():
         terms[key] = json.loads(json.dumps(value))  # what a peer will read back
     return terms

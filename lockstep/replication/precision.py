@@ -116,6 +116,8 @@ class LossScaler:
         stepped = not self._found_inf
         if stepped:
             optimizer.step()
+        elif hasattr(optimizer, "skipped"):  # (ZeRO under fault tolerance: the step's state)
+            optimizer.skipped()
         self._update(stepped)
         _scaling.discard(self)
         self._unscaled = None

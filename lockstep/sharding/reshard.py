@@ -25,8 +25,9 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from lockstep import comm
+from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
 from lockstep.sharding.sharded import ShardedDataParallel
-from lockstep.sharding.zero import FlatGroup, ZeroOptimizer
+from lockstep.sharding.zero import FlatGroup
 
 
 def state_dict(model: Any, optimizer: Any) -> dict[str, Any]:
@@ -48,19 +49,9 @@ reached, and a resumed run without it went on at the initial one."""
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
-    """Each group's numeric settings (lr, momentum, betas, weight decay), as values a
-    checkpoint keeps; loading fills them in place, and after_load hands them back. Not the
-    flags (foreach, fused, maximize): how to compute is this run's choice."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-    def plain(value: Any) -> bool:
-        if isinstance(value, (tuple, list)):
-            return bool(value) and all(number(v) for v in value)
-        return number(value)
-
-    return {str(i): {k: v for k, v in group.items() if k != "params" and plain(v)}
-            for i, group in enumerate(optimizer.param_groups)}
+    """Each group's numeric settings, as values a checkpoint keeps; loading fills them in
+    place, and after_load hands them back."""
+    return {str(i): numeric_settings(group) for i, group in enumerate(optimizer.param_groups)}
 
 
 def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
@@ -77,6 +68,8 @@ def after_load(model: Any, optimizer: Any, loaded: dict[str, Any]) -> None:
                     state[key[len("optim."):]].copy_(value)
     if sharded and model.stage in (1, 2):
         optimizer.gather_params("all-gather of loaded shards")
+    if sharded and optimizer.mirrored:  # (fault tolerance) the next rank's shard, as loaded
+        optimizer.refresh_mirrors()
 
 
 @torch.no_grad()

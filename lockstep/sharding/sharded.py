@@ -12,7 +12,9 @@ report. DataParallel itself knows nothing of any of this.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,15 +30,25 @@ from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
 from lockstep.sharding.gather import Gatherer, guard_orphans
-from lockstep.sharding.zero import (
-    FlatGroup,
-    ShardedReduction,
-    ZeroOptimizer,
-    build_groups,
-    reducer_params,
-)
+from lockstep.sharding.optimizer import ZeroOptimizer
+from lockstep.sharding.zero import FlatGroup, ShardedReduction, build_groups, reducer_params
 
 STAGES = (1, 2, 3)
+
+MIRRORED: contextvars.ContextVar[bool] = contextvars.ContextVar("lockstep_mirrored_shards",
+                                                                 default=False)
+"""Whether a wrapper built now keeps a mirror of the next rank's shard (mirror=None): set
+by fault tolerance around the wrap it is given, so a user's `wrap=lambda m: shard(m, 2)`
+gets mirrors without saying so."""
+
+
+@contextlib.contextmanager
+def mirrored_shards() -> Iterator[None]:
+    token = MIRRORED.set(True)
+    try:
+        yield
+    finally:
+        MIRRORED.reset(token)
 
 
 class ShardedDataParallel(DataParallel):
@@ -48,10 +60,13 @@ class ShardedDataParallel(DataParallel):
         stage: 1, 2 or 3.
         unit: for stage 3, which modules are gathered as one unit (default: every module
             that owns parameters, i.e. each layer).
+        mirror: also keep the next rank's shard (zero.py), so one rank's death loses
+            nothing; None: when built by fault tolerance (lockstep.Elastic turns it on).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, *,
-                 unit: Callable[[nn.Module], bool] | None = None, **kwargs: Any) -> None:
+                 unit: Callable[[nn.Module], bool] | None = None, mirror: bool | None = None,
+                 **kwargs: Any) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
         for name in ("algorithm", "compress", "reduction"):
@@ -59,6 +74,7 @@ class ShardedDataParallel(DataParallel):
                 raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
                                  f"all-gather; it takes no {name}=")
         self.stage, self._unit = stage, unit
+        self.mirror = MIRRORED.get() if mirror is None else mirror
         self.gatherer: Gatherer | None = None
         super().__init__(module, **kwargs)
 
@@ -66,7 +82,7 @@ class ShardedDataParallel(DataParallel):
                         reduction: Reduction | None) -> Reduction:
         """Lay the parameters out in flat groups and, at stage 3, shard them."""
         self.zero_groups = build_groups(self.module, self.stage, self.group,
-                                        *self._bucket_bytes, self._unit)
+                                        *self._bucket_bytes, self._unit, self.mirror)
         sharding = ShardedReduction(self.zero_groups, self.stage, self.group)
         if self.stage == 3:
             self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
@@ -132,6 +148,15 @@ class ShardedDataParallel(DataParallel):
         grads = ([b.flat for b in self.reducer.buckets if b.flat.untyped_storage().nbytes()]
                  + ([g.shard_grad for g in groups] if self.stage > 1 else []))
         return memory.held(params, optimizer, grads)
+
+    def abandon(self) -> None:
+        """Drop the wrapper with no collective (a peer may be dead): at stage 3 the module's
+        parameters stay views of freed buffers, for fault tolerance to refill
+        (recovery.restore) from the shards it held aside."""
+        if self.gatherer is not None:
+            self.gatherer.remove_hooks()
+            self.gatherer = None
+        super().close()
 
     def close(self) -> None:
         """As DataParallel's; at stage 3 the module first gets its full parameters back (a

@@ -23,10 +23,13 @@ that owns parameters, i.e. a layer.
   buffer's storage shrinks to nothing: the parameters stay views of it, so autograd's
   saved references remain valid for the moment it is refilled.
 
-The optimizer is any element-wise torch.optim class over the shards (`make_optimizer`);
-optimizers that need whole tensors (LARS, LAMB: their trust ratio is a per-tensor norm)
-are refused. Gradient clipping by the global norm sums squares over shards, then across
-ranks.
+Mirrored (under fault tolerance, recovery.py): each rank also keeps the next rank's shard
+of parameters and optimizer state, stepped alongside its own from that shard's gradient (at
+stage 1 a slice of the all-reduced bucket; from stage 2 a second reduce-scatter of the
+bucket rotated by one shard), so a rank's death loses nothing a survivor lacks. It costs
+twice the sharded state and, from stage 2, twice the reduce-scatter traffic.
+
+The optimizer over the shards is optimizer.py's ZeroOptimizer.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class FlatGroup:
     shard_grad: torch.Tensor = field(repr=False)   # the shard's averaged gradient
     gathered: bool = True
     pending: Any = None                             # an all-gather in flight (prefetch)
+    mirror: slice | None = None                     # the next rank's shard, kept here too
+    mirror_param: nn.Parameter | None = field(default=None, repr=False)
+    mirror_grad: torch.Tensor | None = field(default=None, repr=False)
 
     def materialize(self) -> None:
         """Give the full buffer its memory back (contents undefined until gathered)."""
@@ -104,7 +110,7 @@ class FlatGroup:
 
 
 def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
-               sharded_params: bool) -> FlatGroup:
+               sharded_params: bool, mirrored: bool = False) -> FlatGroup:
     """Move `named` parameters into one flat buffer (they become views of it)."""
     numel = sum(p.numel() for _, p in named)
     full = padded(numel, world_size)
@@ -121,8 +127,13 @@ def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, wor
     # stages 1-2 step the shard in place inside the always-present full buffer.
     shard_data = flat[mine].clone() if sharded_params else flat[mine]
     shard_param = nn.Parameter(shard_data)
-    return FlatGroup(index, [p for _, p in named], [n for n, _ in named], offsets, numel, full,
-                     mine, flat, shard_param, torch.zeros_like(shard_data))
+    group = FlatGroup(index, [p for _, p in named], [n for n, _ in named], offsets, numel, full,
+                      mine, flat, shard_param, torch.zeros_like(shard_data))
+    if mirrored:  # its own memory at every stage: the all-gathers never write into it
+        group.mirror = shard_range(full, (rank + 1) % world_size, world_size)
+        group.mirror_param = nn.Parameter(flat[group.mirror].clone())
+        group.mirror_grad = torch.zeros_like(group.mirror_param)
+    return group
 
 
 # ---- units for stage 3 -----------------------------------------------------------------------
@@ -209,6 +220,11 @@ class ShardedReduction(Reduction):
         comm.reduce_scatter(incoming, bucket.flat, f"reduce-scatter of {bucket.label}",
                             self.group)
         target.shard_grad.add_(incoming)  # accumulates across backwards until zero_grad
+        if target.mirror_grad is not None:  # rotated by one shard: this rank gets the next's
+            rotated = torch.roll(bucket.flat, -incoming.numel())
+            comm.reduce_scatter(incoming, rotated, f"mirror reduce-scatter of {bucket.label}",
+                                self.group)
+            target.mirror_grad.add_(incoming)
         for param in bucket.params:
             param.grad = None
         self.release(bucket)
@@ -222,7 +238,11 @@ class ShardedReduction(Reduction):
         for group, bucket in zip(self.groups, buckets, strict=True):
             if self.stage == 1:
                 group.shard_grad = bucket.flat[group.shard]
+                if group.mirror is not None:
+                    group.mirror_grad = bucket.flat[group.mirror]
             group.shard_param.grad = group.shard_grad
+            if group.mirror_param is not None:
+                group.mirror_param.grad = group.mirror_grad
         if self.on_step_end is not None:
             self.on_step_end()
 
@@ -231,6 +251,8 @@ class ShardedReduction(Reduction):
         gradient (`finish` gives them back next time)."""
         for group in self.groups:
             group.shard_param.grad = None
+            if group.mirror_param is not None:
+                group.mirror_param.grad = None
 
 
 def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
@@ -238,90 +260,15 @@ def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
     return sum(len(g.params) for g in groups[: group.index])
 
 
-# ---- the optimizer -----------------------------------------------------------------------------
-
-
-class ZeroOptimizer:
-    """A torch optimizer over this rank's shards, and what to do around its step.
-
-    Behaves like the optimizer it wraps: step(), zero_grad(), param_groups (so learning-rate
-    schedulers work), state_dict()/load_state_dict() (of this rank's shards; see
-    zero.sharded_state_dict for checkpoints that reshard)."""
-
-    per_rank_state = True  # its state is this rank's shard: never another rank's to load
-
-    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
-                 make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
-        self.groups, self.stage, self.group = groups, stage, group
-        self.inner = make([g.shard_param for g in groups])
-        if getattr(self.inner, "needs_whole_tensors", False):
-            raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
-                             "each parameter whole (its trust ratio is a per-tensor norm); "
-                             "use it without sharding (lockstep.DataParallel)")
-        for g in groups:  # what the optimizer (and a loss scaler) sees as the gradient
-            g.shard_param.grad = g.shard_grad
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.inner.param_groups
-
-    @property
-    def state(self) -> Any:
-        return self.inner.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for g in self.groups:
-            if self.stage > 1:  # reduce-scatters accumulate into the shard
-                g.shard_grad.zero_()
-            for p in g.params:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.zero_()
-
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the norm over every rank's shards: the global gradient norm."""
-        squares = comm.control_tensor([0.0], self.group, torch.float64)
-        for g in self.groups:
-            squares += g.shard_grad.double().square().sum()
-        comm.all_reduce(squares, "ZeRO: sum of squared gradient shards", self.group)
-        norm = squares.sqrt().item()
-        if norm > max_norm:
-            for g in self.groups:
-                g.shard_grad.mul_(max_norm / (norm + 1e-6))
-        return norm
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> None:
-        self.inner.step(closure)
-        if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
-            self.gather_params("all-gather")
-
-    def gather_params(self, what: str) -> None:
-        """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
-        rank's slice of `flat` already; all gathers launched, then waited, so the backend
-        may run them side by side."""
-        gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
-                                            self.group) for g in self.groups]
-        for work in gathers:
-            work.wait()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
-
-
 # ---- building it ----------------------------------------------------------------------------
 
 
 def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_bytes: int,
-                 first_bucket_bytes: int,
-                 unit: Callable[[nn.Module], bool] | None = None) -> list[FlatGroup]:
+                 first_bucket_bytes: int, unit: Callable[[nn.Module], bool] | None = None,
+                 mirrored: bool = False) -> list[FlatGroup]:
     """Lay the trainable parameters out in flat groups: buckets (stages 1-2) or units (3).
-    Groups are in the order gradients become ready (reverse registration)."""
+    Groups are in the order gradients become ready (reverse registration). The layout does
+    not depend on the world size (only each group's padding does)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     by_name = dict(named)
     rank, world_size = comm.rank_of(group), comm.size_of(group)
@@ -335,7 +282,8 @@ def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_by
         specs = plan_buckets([slots[i] for i in order], bucket_cap_bytes, first_bucket_bytes)
         layout = [[named[i][0] for i in spec.param_indices] for spec in specs]
     return [_new_group(k, [(n, by_name[n]) for n in names], rank, world_size,
-                       sharded_params=stage == 3) for k, names in enumerate(layout)]
+                       sharded_params=stage == 3, mirrored=mirrored)
+            for k, names in enumerate(layout)]
 
 
 def reducer_params(groups: list[FlatGroup]) -> list[tuple[str, nn.Parameter]]:

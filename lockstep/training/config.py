@@ -108,10 +108,8 @@ class TrainConfig:
         trackers.check(self.trackers)
         self.parallel.validate()
         self.checkpoint.validate()
-        if self.elastic is not None and isinstance(self.parallel, (ShardConfig, AsyncConfig)):
+        if self.elastic is not None and isinstance(self.parallel, AsyncConfig):
             raise ValueError(
-                f"elastic= with parallel={type(self.parallel).__name__}: fault tolerance "
-                "keeps every optimizer state whole on every worker, so that any survivor can "
-                "hand it on; ZeRO shards it (a dead rank takes its shard along) and the "
-                "parameter server keeps it on one rank. Use SyncConfig, LocalSGDConfig or "
-                "DiLoCoConfig with elastic=")
+                "elastic= with parallel=AsyncConfig: the parameter server keeps the optimizer "
+                "state on one rank, which no survivor could continue from. Use SyncConfig, "
+                "ShardConfig, LocalSGDConfig or DiLoCoConfig with elastic=")

@@ -38,6 +38,8 @@ from lockstep.optim import set_lr
 from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.replication.precision import LossScaler, autocast
 from lockstep.seeding import seed_everything
+from lockstep.sharding.optimizer import ZeroOptimizer
+from lockstep.sharding.sharded import ShardConfig
 from lockstep.training import checkpoint, configfile, export
 from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
@@ -81,9 +83,11 @@ class Trainer:
             init()
             replica = self._parallel(model)
             self.optimizer = replica.make_optimizer(optimizer)
-        else:
+        else:  # (the wrapper is built once a membership forms; ZeRO's shards then too)
             module = self._module(model)
-            self.optimizer = optimizer(module.parameters())
+            self.optimizer = ZeroOptimizer.unbound(module.parameters(), optimizer) \
+                if isinstance(self.config.parallel, ShardConfig) \
+                else optimizer(module.parameters())
         self.scheduler = scheduler(self.optimizer) if scheduler is not None else None
         # The default group, whichever it is now: a regroup replaces it.
         self.scaler = LossScaler() if self.config.precision == "fp16" else None

@@ -1,0 +1,216 @@
+"""ZeRO's optimizer: any element-wise torch.optim class over this rank's shards (zero.py).
+
+Optimizers that need whole tensors (LARS, LAMB: their trust ratio is a per-tensor norm) are
+refused. Gradient clipping by the global norm sums squares over shards, then across ranks.
+Under fault tolerance the shards are mirrored (zero.py) and it keeps the state from before
+its last step, so that a step some ranks took and others did not can be taken back
+(recovery.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.sharding.zero import FlatGroup
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over this rank's shards, and what to do around its step.
+
+    A torch.optim.Optimizer to whoever asks (a learning-rate scheduler refuses anything
+    else), built without Optimizer.__init__: what it has, it takes from the one it steps.
+
+    Behaves like the optimizer it wraps: step(), zero_grad(), param_groups (so learning-rate
+    schedulers work), state_dict()/load_state_dict() (of this rank's shards; see
+    zero.sharded_state_dict for checkpoints that reshard). Mirrored groups (fault
+    tolerance) are stepped with the own ones, and the state before each step is kept until
+    the next, so that a step some ranks finished and others did not can be taken back."""
+
+    per_rank_state = True  # its state is this rank's shard: never another rank's to load
+
+    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
+                 make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]) -> None:
+        self.stage, self.make = stage, make
+        self.stepped = False  # since begin_step(): stepped (or skipped: nothing changed)
+        self.previous: dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]] | None = None
+        self._bind(groups, group, settings={})
+
+    @classmethod
+    def unbound(cls, params: Any, make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+                ) -> ZeroOptimizer:
+        """An optimizer for shards not laid out yet -- fault tolerance builds the wrapper
+        once a membership forms, and again for each one:
+
+            optimizer = ZeroOptimizer.unbound(net.parameters(),
+                                              lambda params: torch.optim.AdamW(params, lr=1e-3))
+            job = lockstep.Elastic(net, optimizer, wrap=lambda m: lockstep.shard(m, 2))
+
+        Over `params` until `rebind`, so that a learning-rate scheduler made over it now
+        keeps working after."""
+        optimizer = cls.__new__(cls)
+        optimizer.stage, optimizer.make, optimizer.groups, optimizer.group = 0, make, [], None
+        optimizer.stepped, optimizer.previous = False, None
+        optimizer.inner = make(list(params))
+        return optimizer
+
+    def rebind(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
+        """Step a new layout's shards (a new membership's), keeping the settings a scheduler
+        set (lr, initial_lr, ...); the state starts empty (recovery.py fills it)."""
+        self.stage = stage
+        self._bind(groups, group, numeric_settings(self.inner.param_groups[0]))
+
+    def _bind(self, groups: list[FlatGroup], group: comm.Group, settings: dict[str, Any]
+              ) -> None:
+        self.groups, self.group = groups, group
+        self.inner = self.make(self.stepped_params())
+        self.inner.param_groups[0].update(settings)
+        self.stepped, self.previous = False, None
+        if getattr(self.inner, "needs_whole_tensors", False):
+            raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
+                             "each parameter whole (its trust ratio is a per-tensor norm); "
+                             "use it without sharding (lockstep.DataParallel)")
+        for g in groups:  # what the optimizer (and a loss scaler) sees as the gradient
+            g.shard_param.grad = g.shard_grad
+            if g.mirror_param is not None:
+                g.mirror_param.grad = g.mirror_grad
+
+    def stepped_params(self) -> list[nn.Parameter]:
+        """The own shards, then the mirrored ones."""
+        return [g.shard_param for g in self.groups] + \
+            [g.mirror_param for g in self.groups if g.mirror_param is not None]
+
+    @property
+    def mirrored(self) -> bool:
+        return any(g.mirror_param is not None for g in self.groups)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for g in self.groups:
+            if self.stage > 1:  # reduce-scatters accumulate into the shard
+                g.shard_grad.zero_()
+                if g.mirror_grad is not None:
+                    g.mirror_grad.zero_()
+            for p in g.params:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.zero_()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip by the norm over every rank's shards: the global gradient norm."""
+        squares = comm.control_tensor([0.0], self.group, torch.float64)
+        for g in self.groups:
+            squares += g.shard_grad.double().square().sum()
+        comm.all_reduce(squares, "ZeRO: sum of squared gradient shards", self.group)
+        norm = squares.sqrt().item()
+        if norm > max_norm:
+            for g in self.groups:
+                g.shard_grad.mul_(max_norm / (norm + 1e-6))
+                if g.mirror_grad is not None:
+                    g.mirror_grad.mul_(max_norm / (norm + 1e-6))
+        return norm
+
+    def begin_step(self) -> None:
+        """A new attempt at a step starts: nothing stepped in it yet."""
+        self.stepped = False
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None  # type: ignore[override]
+             ) -> None:
+        if self.mirrored:
+            self._keep_previous()
+        self.inner.step(closure)
+        self.stepped = True
+        if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
+            self.gather_params("all-gather")
+
+    def skipped(self) -> None:
+        """A loss scaler skipped the step on every rank: the state is the step's result."""
+        self.stepped, self.previous = True, None
+
+    def _keep_previous(self) -> None:
+        """Copy what the step is about to change, into the buffers of the last copy."""
+        kept = self.previous or {}
+        for p in self.stepped_params():
+            state = {k: v for k, v in self.inner.state.get(p, {}).items()
+                     if isinstance(v, torch.Tensor)}
+            old = kept.get(p)
+            if old is None or old[1].keys() != state.keys():
+                kept[p] = (p.detach().clone(), {k: v.clone() for k, v in state.items()})
+            else:
+                old[0].copy_(p.detach())
+                for k, v in state.items():
+                    old[1][k].copy_(v)
+        self.previous = kept
+
+    @torch.no_grad()
+    def refresh_mirrors(self) -> None:
+        """After the own shards were loaded (a checkpoint): the mirrors from the next rank,
+        parameters and optimizer state, gathered whole one tensor at a time."""
+        for g in self.groups:
+            if g.mirror_param is None or g.mirror is None:
+                continue
+            g.mirror_param.copy_(self._next_ranks(g, g.shard_param.detach()))
+            own = self.inner.state.get(g.shard_param, {})
+            mirror = self.inner.state.setdefault(g.mirror_param, {})
+            for key, value in own.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and \
+                        value.numel() == g.shard_param.numel():
+                    mirror[key] = self._next_ranks(g, value)
+                else:
+                    mirror[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        self.previous = None
+
+    def _next_ranks(self, group: FlatGroup, own: torch.Tensor) -> torch.Tensor:
+        whole = torch.zeros(group.padded_numel, dtype=own.dtype, device=own.device)
+        whole[group.shard].copy_(own)
+        comm.gather_shards_async(whole, f"mirror refresh of parameter group {group.index}",
+                                 self.group).wait()
+        return whole[group.mirror].clone()
+
+    def gather_params(self, what: str) -> None:
+        """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
+        rank's slice of `flat` already; all gathers launched, then waited, so the backend
+        may run them side by side."""
+        gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
+                                            self.group) for g in self.groups]
+        for work in gathers:
+            work.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def numeric_settings(param_group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer group's numeric settings (lr, momentum, betas, weight decay), as values
+    a checkpoint keeps and a new layout takes over. Not the flags (foreach, fused,
+    maximize): how to compute is this run's choice."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    def plain(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return bool(value) and all(number(v) for v in value)
+        return number(value)
+
+    return {k: v for k, v in param_group.items() if k != "params" and plain(v)}
