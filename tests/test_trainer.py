@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -328,14 +329,15 @@ def test_logged_throughput_excludes_evaluation_and_callbacks(world2: World,
     assert len(speeds) == 2 and speeds[1] > 2.5 * wall, (speeds, wall)
 
 
-def train_with_step_lr(run_dir: str, steps: int) -> list[torch.Tensor]:
+def train_with_step_lr(run_dir: str, steps: int, parallel: Any = None) -> list[torch.Tensor]:
     """The tests' run for `steps` steps, with a StepLR scheduler that halves the rate every
     10 steps, resuming from run_dir's checkpoint if there is one."""
     lockstep.init()
     train_set, test_set = digit_sets()
     trainer = lockstep.Trainer(
         make_model("mlp"), sgd, train_set, test_set, config=config(
-            run_dir, resume="auto", checkpoint_every_steps=5, max_steps=steps),
+            run_dir, resume="auto", checkpoint_every_steps=5, max_steps=steps,
+            parallel=parallel or lockstep.SyncConfig()),
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5))
     trainer.fit()
     return [t.clone() for t in trainer.model.module.state_dict().values()]
@@ -351,3 +353,14 @@ def test_a_resumed_run_goes_on_at_the_learning_rate_its_scheduler_had_reached(
     resumed = world2.run(train_with_step_lr, str(tmp_path / "resumed"), 25)[0]
     for a, b in zip(whole, resumed, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_scheduler_works_over_zero_s_optimizer(world2: World, tmp_path: Path) -> None:
+    """torch's schedulers refuse anything but a torch.optim.Optimizer: the Trainer with
+    ShardConfig and scheduler= raised TypeError ("ZeroOptimizer is not an Optimizer"). Now
+    ZeRO-2 with StepLR trains as DataParallel with it does."""
+    plain = world2.run(train_with_step_lr, str(tmp_path / "plain"), 15)[0]
+    sharded = world2.run(train_with_step_lr, str(tmp_path / "zero"), 15,
+                         lockstep.ShardConfig(stage=2))[0]
+    for a, b in zip(plain, sharded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
