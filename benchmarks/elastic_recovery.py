@@ -3,6 +3,7 @@ uninterrupted run of the same job.
 
     python benchmarks/elastic_recovery.py             # 3 workers on this host
     python benchmarks/elastic_recovery.py --trainer   # the same, through the Trainer
+    python benchmarks/elastic_recovery.py --trainer --zero 3   # ... sharded, ZeRO-3
     sudo .venv/bin/python benchmarks/elastic_recovery.py --cluster   # 2 hosts x 2 workers
 
 One host: 3 workers under `lockstep run --elastic`; at step 40 (mid-epoch) one is killed
@@ -135,6 +136,7 @@ def run_job(commands: list[list[str]], env: list[dict[str, str]] | None = None
 def one_host(args: argparse.Namespace, tmp: Path) -> None:
     extra = ["--epochs", str(args.epochs), "--algorithm", args.algorithm or "native"]
     extra += ["--compress", args.compress] if args.compress else []
+    extra += ["--zero", str(args.zero)] if args.zero else []
     base = tmp / "base"
     print(f"== uninterrupted: lockstep run --elastic -n 3 examples/elastic_mnist.py "
           f"{' '.join(extra)} ==")
@@ -162,6 +164,7 @@ def cluster(args: argparse.Namespace, tmp: Path) -> None:
 
     extra = ["--epochs", str(args.epochs), "--algorithm", args.algorithm or "hierarchical"]
     extra += ["--compress", args.compress] if args.compress else []
+    extra += ["--zero", str(args.zero)] if args.zero else []
     with Cluster(hosts=2, bandwidth=args.bandwidth) as c:
         def on_host(host: int, record: Path, port: int) -> list[str]:
             command = launcher(2, f"{c.address(0)}:{port}", record, extra)
@@ -220,6 +223,8 @@ def main() -> None:
     p.add_argument("--compress", default=None, help="bf16 or fp16 on the wire")
     p.add_argument("--cut", type=float, default=0.0, help="with --cluster: cut host 1's "
                    "link for this many seconds instead of killing its processes")
+    p.add_argument("--zero", type=int, default=0, help="with --trainer: ZeRO at this stage "
+                   "(its shards mirrored: a death loses nothing)")
     p.add_argument("--trainer", action="store_true", help="the job through lockstep.Trainer "
                    "(examples/elastic_trainer.py) rather than Elastic.run_step")
     args = p.parse_args()

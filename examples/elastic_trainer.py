@@ -5,7 +5,9 @@
     lockstep run --elastic -n 1 --rdzv-endpoint 127.0.0.1:29400 examples/elastic_trainer.py
     # kill every worker, then run the first command again: it resumes from the checkpoint
 
-The same `fit()` as without faults: TrainConfig(elastic=ElasticConfig()) is the only change.
+The same `fit()` as without faults: TrainConfig(elastic=ElasticConfig()) is the only change;
+`--zero 2` shards the optimizer state and gradients (ZeRO-2, each shard mirrored on the
+next rank so that a death loses nothing).
 `--record DIR` writes, per worker, every sample the training set hands out and for which
 step (benchmarks/elastic_recovery.py --trainer checks that no sample was lost or repeated).
 """
@@ -30,6 +32,7 @@ parser.add_argument("--global-batch", type=int, default=96, help="samples per st
 parser.add_argument("--lr", type=float, default=2e-3)
 parser.add_argument("--run-dir", default="runs/elastic_trainer")
 parser.add_argument("--algorithm", default="native", help="native, shm, hierarchical, ...")
+parser.add_argument("--zero", type=int, default=0, help="ZeRO stage (1-3); 0: replicated")
 parser.add_argument("--record", default=None, help="folder for per-worker JSON records")
 args, _ = parser.parse_known_args()  # (elastic_recovery.py passes elastic_mnist's flags too)
 
@@ -63,7 +66,8 @@ if record is not None:
     train_set = Recorded(train_set, record)
 config = lockstep.TrainConfig(
     global_batch_size=args.global_batch, epochs=args.epochs, run_dir=args.run_dir,
-    parallel=lockstep.SyncConfig(algorithm=args.algorithm), trackers=(),
+    parallel=lockstep.ShardConfig(stage=args.zero) if args.zero
+    else lockstep.SyncConfig(algorithm=args.algorithm), trackers=(),
     checkpoint=lockstep.CheckpointConfig(every_steps=50),
     elastic=lockstep.ElasticConfig())
 trainer = lockstep.Trainer(small_cnn, lambda p: torch.optim.Adam(p, lr=args.lr), train_set,

@@ -60,6 +60,8 @@ def main() -> None:
     p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
     p.add_argument("--hold-at", type=int, default=-1, help="at this step, wait until a "
                    "worker is waiting to join (so a test's joiner always finds the job)")
+    p.add_argument("--hold-for", default=None, help="with --hold-at: wait at that step "
+                   "until this file exists instead (a test's joiners have been dealt with)")
     p.add_argument("--mode", default="sync", choices=["sync", "diloco", "zero1", "zero2",
                                                       "zero3"])
     p.add_argument("--collective-timeout", type=float, default=10.0)
@@ -87,11 +89,15 @@ def main() -> None:
     def build() -> nn.Module:
         return nn.Linear(elastic_job.FEATURES, args.width).double()
 
+    def held() -> bool:
+        if args.hold_for:
+            return not Path(args.hold_for).exists()
+        return not pending_joiners(trainer.survival.coordinator.store)
+
     def pace(trainer: lockstep.Trainer) -> None:
         if trainer.state.global_step == args.hold_at:
             deadline = time.monotonic() + 120
-            while not pending_joiners(trainer.survival.coordinator.store) and \
-                    time.monotonic() < deadline:
+            while held() and time.monotonic() < deadline:
                 time.sleep(0.05)
         time.sleep(args.pace)
 

@@ -124,8 +124,12 @@ def test_a_job_whose_every_worker_died_resumes_from_its_checkpoint(tmp_path: Pat
 def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
         tmp_path: Path) -> None:
     """Before, a joiner with a wider layer made every member raise ModelMismatchError, and
-    one with another global batch was let in (samples lost and repeated, weights off)."""
-    steps, args = 150, ["--steps", "150", "--pace", "0.05"]
+    one with another global batch was let in (samples lost and repeated, weights off).
+    The job waits at step 5 until both joiners have been dealt with: under load a joiner
+    once started only after the job had finished (and exited 0, nothing to join)."""
+    go = tmp_path / "joiners-done"
+    steps, args = 40, ["--steps", "40", "--pace", "0.02", "--hold-at", "5", "--hold-for",
+                       str(go)]
     port = _free_port()
     job = _launch(tmp_path, port, 2, args, "launcher.log", JOB)
     joiners = []
@@ -136,6 +140,7 @@ def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
             joiners.append(_launch(tmp_path / name, port, 1, [*args, *differ], "joiner.log",
                                    JOB))
         assert [j.wait(timeout=120) for j in joiners] == [1, 1]
+        go.touch()
         assert job.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         for p in (job, *joiners):
