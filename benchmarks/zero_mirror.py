@@ -8,7 +8,7 @@ median step time over rounds that run every mode in turn, and the model state ea
 holds after a step (every live tensor storage counted once, the copy before the step
 included). Prints the ratios mirrored / plain.
 
-    python benchmarks/zero_mirror.py [--nproc 3] [--rounds 6] [--steps 5]
+    python benchmarks/zero_mirror.py [--ranks 3] [--rounds 6] [--steps 5]
 """
 
 from __future__ import annotations
@@ -80,15 +80,15 @@ def report(times: dict[str, list[float]], state: dict[str, int], ranks: int) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=3)
+    p.add_argument("--ranks", type=int, default=3)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     if "WORLD_SIZE" in os.environ:
         worker(args.rounds, args.steps)
         return 0
-    return run(LaunchSpec(nproc=args.nproc, target=os.path.abspath(__file__),
-                          args=sys.argv[1:]))
+    return run(LaunchSpec(nproc=args.ranks, target=os.path.abspath(__file__),
+                          args=["--rounds", str(args.rounds), "--steps", str(args.steps)]))
 
 
 if __name__ == "__main__":

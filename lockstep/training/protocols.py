@@ -44,6 +44,8 @@ class Survival(Protocol):
     """Steps the job has committed."""
     model: Any
     """The parallel model now (a Replica): read it again after every step."""
+    joined_running: bool
+    """This worker joined a job already training (it received the job's state)."""
 
     @property
     def world(self) -> World: ...

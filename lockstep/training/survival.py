@@ -33,6 +33,7 @@ class Steady:
 
     def __init__(self, model: Any, update: Callable[[], None], step: int = 0) -> None:
         self.model, self.update, self.step = model, update, step
+        self.joined_running = False  # every worker starts the job together
 
     @property
     def world(self) -> World:

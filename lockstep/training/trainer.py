@@ -182,7 +182,7 @@ class Trainer:
     def _start(self) -> None:
         """Where this run starts: its checkpoint (or the beginning), read by every worker;
         a worker that joined a running job has received the step and state instead."""
-        if getattr(self.survival, "joined_running", False):
+        if self.survival.joined_running:
             self.state = self._carried.state  # the step follows; the history came along
             self._follow_step()
             return
@@ -339,21 +339,20 @@ class Trainer:
         loss = self.survival.collective(average)
         if loss is None:  # left out meanwhile: the others logged this window
             return
-        runlog = self.runlog
         speed = window.steps * self.config.global_batch_size / max(window.elapsed(), 1e-9)
         wire = self.model.comm_stats()
         extra = {"loss_scale": self.scaler.scale_value} if self.scaler else {}
         if "skipped_steps" in wire:
             extra["skipped_steps"] = wire["skipped_steps"]
-        runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
-                      lr=float(self.optimizer.param_groups[0]["lr"]), epoch=self.state.epoch,
-                      bytes_sent=wire["bytes_sent"], compression=wire["compression_ratio"],
-                      **extra)
+        self.runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
+                           lr=float(self.optimizer.param_groups[0]["lr"]),
+                           epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
+                           compression=wire["compression_ratio"], **extra)
         shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
                  "sent/step": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
         if wire["compression_ratio"] > 1.0:
             shown["compression"] = f"{wire['compression_ratio']:.1f}x"
-        runlog.progress(0, **shown)
+        self.runlog.progress(0, **shown)
 
     # ---- evaluation and checkpoints ------------------------------------------------------
 
@@ -371,9 +370,8 @@ class Trainer:
         if metrics is None:  # left out meanwhile: the others evaluated without it
             return {}
         self.state.history.append({"step": self.state.global_step, **metrics})
-        runlog = self.runlog
-        runlog.record("eval", self.state.global_step, **metrics)
-        runlog.message(f"step {self.state.global_step}: test loss {metrics['loss']:.4f}, "
+        self.runlog.record("eval", self.state.global_step, **metrics)
+        self.runlog.message(f"step {self.state.global_step}: test loss {metrics['loss']:.4f}, "
                        f"test accuracy {metrics['accuracy']:.4f}")
         return metrics
 
