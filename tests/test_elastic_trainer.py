@@ -205,4 +205,5 @@ def test_zero_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(
     finals = _check_history(run, steps, 12, order=order)
     assert_weights(finals, reference(steps, 12))
     assert "3 -> 2 workers, continuing at step" in run["stderr"]
-    assert "2 -> 3 workers" in run["stderr"]
+    assert "joined, state sent from rank 0, ZeRO shards from every member; 2 -> 3 workers" \
+        in run["stderr"]

@@ -331,12 +331,13 @@ class Elastic:
             self._phase, self._sync_retry = 0, False
         self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
         self.regroups.append(report(membership, previous, time.monotonic() - started))
+        source = "rank 0" if pooled is None else "rank 0, ZeRO shards from every member"
         if membership.rank == 0:
-            log.warning(describe(membership, previous, time.monotonic() - started))
+            log.warning(describe(membership, previous, time.monotonic() - started, source))
         elif self.coordinator.id in membership.joined:  # the newcomer's own launcher says so
             log.warning("worker %d joined the job at step %d as rank %d of %d (state received "
-                        "from rank 0; %.1fs after it asked)", self.coordinator.id,
-                        membership.step, membership.rank, membership.world_size,
+                        "from %s; %.1fs after it asked)", self.coordinator.id,
+                        membership.step, membership.rank, membership.world_size, source,
                         time.monotonic() - started)
 
     def _rewrap(self) -> None:

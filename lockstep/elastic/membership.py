@@ -127,8 +127,10 @@ def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membe
                       tuple((c.id, c.host, c.pid) for c in lost))
 
 
-def describe(new: Membership, old: Membership | None, seconds: float) -> str:
-    """The line a user reads when the world changes (the new rank 0 logs it)."""
+def describe(new: Membership, old: Membership | None, seconds: float,
+             source: str = "rank 0") -> str:
+    """The line a user reads when the world changes (the new rank 0 logs it); `source`:
+    where a joiner's state came from."""
     if old is None and not new.joined:
         return (f"membership: {new.world_size} workers on {len(set(new.hosts))} host(s), "
                 f"epoch {new.epoch}")
@@ -140,7 +142,7 @@ def describe(new: Membership, old: Membership | None, seconds: float) -> str:
                                          for i, host, pid in new.lost) + where)
     if new.joined:
         parts.append(", ".join(new.name(i) for i in new.joined) + " joined, state sent "
-                     "from rank 0")
+                     f"from {source}")
     was = old.world_size if old is not None else "?"
     return (f"membership epoch {new.epoch}: {'; '.join(parts) or 'regrouped'}; "
             f"{was} -> {new.world_size} workers, continuing at step {new.step} "
