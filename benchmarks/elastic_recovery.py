@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -126,11 +127,35 @@ def report(name: str, baseline: float, result: dict[str, Any], killed_at: float,
           f"({diff * 100:+.2f} points)")
 
 
+class Drained(subprocess.Popen[str]):
+    """A launcher whose output is read as it comes. A pipe left unread until the end fills
+    (64 KB: a minute of rank 0's progress bar), and the worker writing to it blocks -- its
+    peers then wait on it in their next collective. The adversary's runs stalled so, and
+    read as slow recoveries (up to 20 s: the collective timeout) that were this script's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.stdout is not None
+        for line in self.stdout:
+            self.lines.append(line)
+
+    def communicate(self, input: Any = None, timeout: float | None = None
+                    ) -> tuple[str, str]:
+        self.wait(timeout)
+        self._reader.join()
+        return "".join(self.lines), ""
+
+
 def run_job(commands: list[list[str]], env: list[dict[str, str]] | None = None
             ) -> list[subprocess.Popen[str]]:
-    return [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=(env or [None] * len(commands))[i], cwd=ROOT)  # type: ignore[arg-type]
-            for i, c in enumerate(commands)]
+    envs: list[dict[str, str] | None] = list(env) if env else [None] * len(commands)
+    return [Drained(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env=e, cwd=ROOT) for c, e in zip(commands, envs, strict=True)]
 
 
 def one_host(args: argparse.Namespace, tmp: Path) -> None:

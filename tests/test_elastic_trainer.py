@@ -92,10 +92,13 @@ def test_the_trainer_goes_on_through_a_kill_and_lets_a_worker_join(tmp_path: Pat
     assert "joined, state sent from rank 0; 2 -> 3 workers" in run["stderr"]
 
 
-def test_a_job_whose_every_worker_died_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["sync", "zero3"])
+def test_a_job_whose_every_worker_died_resumes_from_its_checkpoint(tmp_path: Path,
+                                                                  mode: str) -> None:
     """Both workers killed after the checkpoint at step 20: the same command, run again,
-    resumes there and ends with one process's weights."""
-    steps, args = 60, ["--steps", "60", "--pace", "0.03"]
+    resumes there and ends with one process's weights -- under ZeRO-3 too, whose shards
+    and their mirrors the checkpoint gives back."""
+    steps, args = 60, ["--steps", "60", "--pace", "0.03", "--mode", mode]
     port = _free_port()
     first = _launch(tmp_path, port, 2, args, "launcher1.err", JOB)
     try:
@@ -192,16 +195,16 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
     assert_weights(finals, reference(steps, 12))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_zero_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(
-        tmp_path: Path, stage: int) -> None:
-    """ZeRO with fault tolerance: each rank keeps the next rank's shard too, so the kill of
-    rank 1 loses no optimizer state; the survivors reshard from 3 to 2 ranks, then to 3
-    again for the joiner, and the final weights are one process's (float64). Before, the
-    Trainer refused ShardConfig with elastic=."""
+def test_zero_3_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(
+        tmp_path: Path) -> None:
+    """ZeRO-3 with fault tolerance: each rank keeps the next rank's shard too, so the kill
+    of rank 1 loses no parameters or optimizer state; the survivors reshard from 3 to 2
+    ranks, then to 3 again for the joiner, and the final weights are one process's
+    (float64). Before, the Trainer refused ShardConfig with elastic=. (Stage 2: the plain
+    loop's test, tests/test_elastic.py.)"""
     steps = 60
     run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--hold-at",
-                                      "30", "--mode", f"zero{stage}"], kill_at=8, job=JOB)
+                                      "30", "--mode", "zero3"], kill_at=8, job=JOB)
     finals = _check_history(run, steps, 12, order=order)
     assert_weights(finals, reference(steps, 12))
     assert "3 -> 2 workers, continuing at step" in run["stderr"]

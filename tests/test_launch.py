@@ -173,3 +173,32 @@ def test_a_world_started_by_hand_on_a_taken_port_fails_on_every_rank_within_seco
     assert ("never answered as a torch.distributed store: another program holds the port "
             "(waited 15s)") in outputs[1]
     assert float(re.search(r"after ([\d.]+)s", outputs[1]).group(1)) >= 14.9
+
+
+def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> None:
+    """`lockstep run --elastic` run again right after a job on the same endpoint ended (the
+    rerun that resumes from a checkpoint): the old store's connections linger in TIME_WAIT
+    on the port. Before, the launcher took that for a live store, waited for it, and failed
+    with "no elastic job answered" (seen rerunning benchmarks/elastic_adversary.py)."""
+    from lockstep.launch.elastic import _can_bind
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    accepted.close()  # the server's side closes first: it is the one left in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    lingering = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True,
+                               text=True).stdout
+    assert "TIME-WAIT" in lingering, lingering
+    assert _can_bind("127.0.0.1", port)
+    with socket.socket() as live:  # and one that someone serves is still not ours
+        live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        live.bind(("127.0.0.1", port))
+        live.listen()
+        assert not _can_bind("127.0.0.1", port)

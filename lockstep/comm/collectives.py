@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep.comm import watchdog
-from lockstep.comm.diagnostics import explain_stall
+from lockstep.comm.diagnostics import explain_stall, peer_closed
 from lockstep.comm.ledger import Record, ledger
 
 Group = dist.ProcessGroup | None
@@ -81,7 +81,6 @@ def _backend_message(error: BaseException) -> str:
     return text.split(" This is typically caused")[0][:300]
 
 
-_PEER_CLOSED = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
 _TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")
 
 
@@ -108,7 +107,7 @@ def _explain(what: str, error: BaseException, started: float,
         return CollectiveError(f"{head} -- this rank was itself paused for about "
                                f"{paused:.0f}s (stopped, e.g. SIGSTOP, or starved of CPU): "
                                "its peers may have gone on without it")
-    if _PEER_CLOSED.search(str(error)):
+    if peer_closed(error):
         # A peer's process ended (killed, crashed, or its group torn down). Only a rank
         # that said it exited is named: the ledgers, published once a second, would blame
         # live peers for lagging.

@@ -23,14 +23,25 @@ _PUBLISH_INTERVAL_S = 0.5
 _STOP_WAIT_S = 300.0  # the default collective (and store) timeout
 
 
-_LOST = ("Connection reset", "Broken pipe", "Connection was likely closed",
-         "Connection refused", "Failed to recv")
+PEER_CLOSED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What Gloo's and the store's errors say when the other end's process is gone: its
+sockets closed (killed, crashed, or its group torn down). The one list every check of a
+broken connection reads: collectives' explanations, fault tolerance's failures, the
+store's loss."""
+
+_STORE_LOST = (*PEER_CLOSED, "Connection reset", "Connection was likely closed",
+               "Connection refused", "Failed to recv")
+
+
+def peer_closed(error: BaseException) -> bool:
+    """Whether `error` says the other end of a connection is gone."""
+    return any(sign in str(error) for sign in PEER_CLOSED)
 
 
 def connection_lost(error: BaseException) -> bool:
     """Whether a store call failed because its server is gone (the connection broke: a
     TCPStore client never reconnects), rather than a slow answer."""
-    return any(sign in str(error) for sign in _LOST)
+    return any(sign in str(error) for sign in _STORE_LOST)
 
 
 class ProgressReporter:

@@ -8,6 +8,7 @@ import re
 import torch.distributed as dist
 
 from lockstep import comm
+from lockstep.comm.diagnostics import peer_closed
 from lockstep.elastic.store import StoreGone
 
 
@@ -19,9 +20,8 @@ def membership_failure(error: BaseException) -> bool:
     if isinstance(error, (comm.CollectiveError, dist.DistError)):
         return True
     text = str(error)
-    return isinstance(error, RuntimeError) and any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
-                                  "Timed out waiting", "gloo", "Broken pipe"))
+    return isinstance(error, RuntimeError) and (
+        peer_closed(error) or "Timed out waiting" in text or "gloo" in text)
 
 
 def forget_frames(error: BaseException) -> None:

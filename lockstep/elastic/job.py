@@ -132,10 +132,12 @@ class Elastic:
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
         started = time.monotonic()
         first = self.coordinator.enter()
+        self._entering = True  # (a failure now interrupts this worker's entry, not a step)
         try:
             self._admit(first, rewrap=True, started=started)
         except Exception as error:  # a member died while this worker was let in (or sent
             self._handle(error)     # its state): agree again, as any member would
+        self._entering = False
         self.joined_running = self._received
 
     @property
@@ -248,8 +250,9 @@ class Elastic:
                 log.error("rank %d: step %d failed %d times in a row; giving up",
                           self.world.rank, self.step, self._failures)
                 raise error
-            log.warning("rank %d: step %d was interrupted (%s); regrouping", self.world.rank,
-                        self.step, first_line(error))
+            what = "entering the job" if self._entering else f"step {self.step}"
+            log.warning("rank %d: %s was interrupted (%s); regrouping", self.world.rank, what,
+                        first_line(error))
             forget_frames(error)
             if self._phase == 0:  # the step's partial gradients are not to be used
                 self.optimizer.zero_grad(set_to_none=True)

@@ -82,8 +82,12 @@ def open_store(endpoint: str, node_rank: int | None, timeout_s: float
 
 
 def _can_bind(host: str, port: int) -> bool:
-    """Whether this host could serve the endpoint: its address is ours and the port free."""
+    """Whether this host could serve the endpoint: its address is ours and no one listens
+    on the port. SO_REUSEADDR, as the store's own socket: a job that just ended leaves its
+    connections in TIME_WAIT on the port, and without it the command run again took them
+    for a live store, waited for one, and said none answered."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as error:
