@@ -24,6 +24,7 @@ of it before each step, and from stage 2 a second reduce-scatter per bucket.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,7 +181,7 @@ def _assemble(held: Held | None, step: int, holders: dict[tuple[int, int], int],
         for k, dtype in wise.items():
             slots.setdefault(dtype, []).append((("state", g, k), full))
         for k, (dtype, shape, _) in scalars.items():
-            slots.setdefault(dtype, []).append((("scalar", g, k), max(1, _numel(shape))))
+            slots.setdefault(dtype, []).append((("scalar", g, k), max(1, math.prod(shape))))
     whole: dict[Any, torch.Tensor] = {}
     for dtype, entries in slots.items():
         buffer = torch.zeros(sum(n for _, n in entries), dtype=dtype,
@@ -198,13 +199,6 @@ def _assemble(held: Held | None, step: int, holders: dict[tuple[int, int], int],
     scalars = [{k: whole[("scalar", g, k)].reshape(shape).to(device)
                 for k, (_, shape, device) in keys[g][1].items()} for g in range(len(layout))]
     return Pool(params, state, scalars, description["settings"])
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _fill(view: torch.Tensor, kind: str, group: int, key: list[str],
