@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -42,12 +41,12 @@ from torch import nn
 
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import World, current
-from lockstep.elastic.config import ENV_INITIAL, ENV_STORE, ElasticConfig
+from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
 from lockstep.elastic.failures import first_line, forget_frames, membership_failure
 from lockstep.elastic.handover import hand_over
 from lockstep.elastic.membership import Membership, describe, install, report
 from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
-from lockstep.elastic.store import store_gone
+from lockstep.elastic.store import job_address, store_gone, this_host
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
@@ -122,7 +121,7 @@ class Elastic:
         self._phase, self._sync_retry, self._failures = 0, False, 0
         self.completed_here = False  # see the class docstring
         self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
-        self.coordinator = Coordinator(_address(address), _host(), self.config,
+        self.coordinator = Coordinator(job_address(address), this_host(), self.config,
                                        int(os.environ.get(ENV_INITIAL, "1")),
                                        terms_of(module, optimizer, agree))
         self.drift: DriftCheck | None = None
@@ -387,15 +386,3 @@ def _trains_in_rounds(model: Any) -> bool:
     Replica answers that (a DataParallel too, whose reducer is built for one world size and
     must be rebuilt when it changes)."""
     return callable(getattr(model, "synchronise", None))
-
-
-def _address(address: str | None) -> str:
-    found = address or os.environ.get(ENV_STORE)
-    if not found:
-        raise RuntimeError(f"lockstep.Elastic: no job store: launch with `lockstep run "
-                           f"--elastic`, or set {ENV_STORE}=HOST:PORT")
-    return found
-
-
-def _host() -> str:
-    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()

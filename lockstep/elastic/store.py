@@ -5,9 +5,13 @@ one place that connects to it and says, in words, when it is gone.
 
 from __future__ import annotations
 
+import os
+import socket
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from lockstep.elastic.config import ENV_STORE
 
 PREFIX = "lockstep/elastic/"
 
@@ -32,3 +36,17 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
                              timeout=timeout)
     except (RuntimeError, OSError) as error:  # DistNetworkError, DistStoreError
         raise store_gone(address, error) from None
+
+
+def job_address(address: str | None) -> str:
+    """HOST:PORT of the job's store: as given, else what `lockstep run --elastic` set."""
+    found = address or os.environ.get(ENV_STORE)
+    if not found:
+        raise RuntimeError(f"lockstep.Elastic: no job store: launch with `lockstep run "
+                           f"--elastic`, or set {ENV_STORE}=HOST:PORT")
+    return found
+
+
+def this_host() -> str:
+    """This worker's host as the job names it (the launcher's LOCKSTEP_HOST)."""
+    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
