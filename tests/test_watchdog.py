@@ -393,7 +393,10 @@ def _launch_stuck(script: Path, how: str) -> tuple[int, list[tuple[float, str]],
         if job.poll() is None:
             job.kill()
         reader.join()
-    assert stuck, lines
+    # (the whole stderr, as text: a list's repr is cut short in pytest's report, and once,
+    # in a loaded series, rank 2's line never came and the cut report could not say why)
+    assert stuck, "rank 2 never said it was stuck; stderr:\n" + \
+        "\n".join(f"{at:.2f} {text}" for at, text in lines)
     return code, lines, stuck[0][1], stuck[0][0]
 
 
