@@ -294,6 +294,7 @@ class Elastic:
                                        self._current().epoch, self.step)
             self.model.abandon()  # (close() would gather stage 3's shards: a collective)
             self.model = None
+            self.optimizer.group = None  # it would keep the old group's sockets open
         if drop_wrapper and self.model is not None:
             close = getattr(self.model, "close", None)
             if close is not None:
