@@ -171,8 +171,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             own = self.inner.state.get(g.shard_param, {})
             mirror = self.inner.state.setdefault(g.mirror_param, {})
             for key, value in own.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and \
-                        value.numel() == g.shard_param.numel():
+                if elementwise(value, g.shard_param):
                     mirror[key] = self._next_ranks(g, value)
                 else:
                     mirror[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -214,3 +213,10 @@ def numeric_settings(param_group: dict[str, Any]) -> dict[str, Any]:
         return number(value)
 
     return {k: v for k, v in param_group.items() if k != "params" and plain(v)}
+
+
+def elementwise(value: Any, param: torch.Tensor) -> bool:
+    """Whether an optimizer state is one value per element of `param` (a momentum), not one
+    for the whole tensor (Adam's step count)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and \
+        value.numel() == param.numel()

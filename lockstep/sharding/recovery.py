@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
+from lockstep.sharding.optimizer import ZeroOptimizer, elementwise, numeric_settings
 from lockstep.sharding.sharded import ShardedDataParallel
 from lockstep.sharding.zero import FlatGroup, padded
 
@@ -110,7 +110,7 @@ def _piece(group: int, shard: int, param: nn.Parameter, optimizer: ZeroOptimizer
         values = param.detach()
         state = {k: v for k, v in optimizer.state.get(param, {}).items()
                  if isinstance(v, torch.Tensor)}
-    wise = {k: v for k, v in state.items() if v.dim() > 0 and v.numel() == values.numel()}
+    wise = {k: v for k, v in state.items() if elementwise(v, values)}
     return Piece(group, shard, values, wise,
                  {k: v for k, v in state.items() if k not in wise})
 

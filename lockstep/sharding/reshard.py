@@ -25,7 +25,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from lockstep import comm
-from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
+from lockstep.sharding.optimizer import ZeroOptimizer, elementwise, numeric_settings
 from lockstep.sharding.sharded import ShardedDataParallel
 from lockstep.sharding.zero import FlatGroup
 
@@ -113,7 +113,7 @@ def _whole(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
         for key, value in state.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            if value.numel() == owner.numel() and value.dim() > 0:
+            if elementwise(value, owner):
                 out[f"optim.{names[id(owner)]}.{key}"] = value.view(-1)
             else:
                 out[f"optim.{key}"] = value
