@@ -313,7 +313,10 @@ class Elastic:
         self.membership = membership
         install(membership, self.coordinator.base, self.backend,
                 timedelta(seconds=self.config.collective_timeout_s))
-        pooled = recovery.pool(self._held, membership.step)  # ZeRO's shards; else None
+        # ZeRO's shards (a collective: every worker of a ZeRO job has a ZeroOptimizer, the
+        # terms agreed on it); a replicated job has nothing to pool
+        pooled = recovery.pool(self._held, membership.step) \
+            if isinstance(self.optimizer, ZeroOptimizer) else None
         if pooled is not None:
             recovery.restore(self.module, pooled)
         if rewrap or self.model is None or pooled is not None:

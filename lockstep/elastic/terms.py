@@ -30,7 +30,8 @@ def terms_of(module: nn.Module, optimizer: torch.optim.Optimizer,
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO's: the torch optimizer it steps
     settings = {key: value for key, value in inner.defaults.items()
                 if isinstance(value, (bool, int, float, str, type(None)))}
-    terms = {"model": model, "optimizer": {"kind": type(inner).__name__, **settings}}
+    terms = {"model": model, "optimizer": {"kind": type(inner).__name__,
+                                           "over_shards": inner is not optimizer, **settings}}
     for key, value in (agree or {}).items():
         terms[key] = json.loads(json.dumps(value))  # what a peer will read back
     return terms
