@@ -18,6 +18,7 @@ import pytest
 
 import lockstep
 from lockstep.launch import cli
+from lockstep.training import jobnote
 
 BIN = Path(sys.executable).parent
 
@@ -126,3 +127,17 @@ def test_env_reports_versions_backends_and_the_torchrun_environment(
     assert f"lockstep: {lockstep.__version__}" in shown and f"torch: {torch.__version__}" in shown
     assert "distributed backends built: gloo" in shown and "cores usable: " in shown
     assert "  MASTER_PORT=29512" in shown and "  tqdm: " in shown
+
+
+def test_a_new_checkpoint_note_replaces_the_old_one_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher reads the note at Ctrl-C, the moment a worker may be writing it: the
+    note is renamed into place, never truncated and rewritten (CI once read it empty)."""
+    note = tmp_path / "note"
+    monkeypatch.setenv(jobnote.ENV, str(note))
+    jobnote.checkpoint_written(tmp_path / "step-5", resumes=True)
+    with note.open() as reader_of_the_old_note:
+        jobnote.checkpoint_written(tmp_path / "step-10", resumes=False)
+        assert reader_of_the_old_note.read() == f"1 {(tmp_path / 'step-5').resolve()}"
+    assert jobnote.last_checkpoint(note) == (str((tmp_path / "step-10").resolve()), False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["note"]

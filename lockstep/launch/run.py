@@ -116,7 +116,8 @@ def run(spec: LaunchSpec) -> int:
         if user_threads is None:
             del os.environ["OMP_NUM_THREADS"]
         os.environ.pop(jobnote.ENV, None)
-        note.unlink(missing_ok=True)
+        for ours in (note, *note.parent.glob(f"{note.name}.*")):  # and a killed writer's
+            ours.unlink(missing_ok=True)
         shutil.rmtree(logs, ignore_errors=True)  # made above, by and for this launch only
     return 0
 

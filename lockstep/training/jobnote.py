@@ -18,8 +18,14 @@ def checkpoint_written(folder: Path, resumes: bool) -> None:
     """Rank 0: `folder` is complete; `resumes` says whether re-running the same command
     continues from it (resume="auto") or starts afresh."""
     path = os.environ.get(ENV)
-    if path:
-        Path(path).write_text(f"{int(resumes)} {folder.resolve()}")
+    if not path:
+        return
+    # Written aside and renamed over the note: a SIGINT that lands mid-write (Ctrl-C is
+    # exactly when the launcher reads it) must leave the previous note whole, not an
+    # empty file truncated in place.
+    aside = Path(f"{path}.{os.getpid()}")
+    aside.write_text(f"{int(resumes)} {folder.resolve()}")
+    os.replace(aside, path)
 
 
 def last_checkpoint(note: Path) -> tuple[str, bool] | None:
