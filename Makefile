@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
 READY := $(VENV)/.ready
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint etcd demo bench clean
 
 setup: $(READY)
 
@@ -23,7 +23,16 @@ lint: $(READY)
 	$(VENV)/bin/ruff check lockstep tests benchmarks examples
 	$(VENV)/bin/mypy
 
-test: lint
+# A fault-tolerant job's store can live in etcd (lockstep/elastic/etcd.py); its tests start
+# a real 3-member etcd, Debian's etcd-server, installed here if missing (root, apt).
+etcd:
+	@command -v etcd >/dev/null || { echo "installing etcd-server (apt) for the store's tests"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -qq --no-install-recommends etcd-server >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }; }
+	@command -v etcd >/dev/null || { echo "make test needs etcd: apt install etcd-server"; exit 1; }
+
+test: lint etcd
 	$(VENV)/bin/pytest -q
 
 demo: $(READY)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -125,10 +126,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(out: Path, port: int, nproc: int, args: list[str], log: str, job: str = JOB
+def _launch(out: Path, port: int | str, nproc: int, args: list[str], log: str, job: str = JOB
             ) -> subprocess.Popen[bytes]:
+    """`port` on this machine, or a whole endpoint (etcd://...)."""
+    endpoint = port if isinstance(port, str) else f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
-               "--rdzv-endpoint", f"127.0.0.1:{port}", job, "--out", str(out), *args]
+               "--rdzv-endpoint", endpoint, job, "--out", str(out), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, stdout=(out / log).open("w"), stderr=subprocess.STDOUT,
                             cwd=ROOT, env=env)  # (what rank 0 prints too: a resume, say)
@@ -154,10 +157,12 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
 
 
 def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
-                     job: str = JOB) -> dict[str, Any]:
+                     job: str = JOB, endpoint: str | None = None,
+                     before_rejoin: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
-    on without it, a second launcher adds one worker. Returns what happened."""
-    port = _free_port()
+    on without it (and `before_rejoin` ran), a second launcher adds one worker. Returns what
+    happened."""
+    port = endpoint or _free_port()
     first = _launch(out, port, nproc, args, "launcher1.err", job)
     second = None
     try:
@@ -167,6 +172,7 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
         killed = time.time()
         resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
                             "the survivors to resume")
+        before_rejoin()
         second = _launch(out, port, 1, args, "launcher2.err", job)
         assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
     finally:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ENV_STORE = "LOCKSTEP_ELASTIC"
-"""HOST:PORT of the job's store; `lockstep run --elastic` sets it for its workers."""
+"""The job's store (HOST:PORT, or etcd://...); `lockstep run --elastic` sets it for its workers."""
 ENV_INITIAL = "LOCKSTEP_ELASTIC_INITIAL"
 """How many workers the job starts with (the first membership waits for them)."""
 

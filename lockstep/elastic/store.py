@@ -1,6 +1,7 @@
 """The job's store: where a fault-tolerant job's workers agree (quorum.py) and beat
-(heartbeat.py). Today one TCPStore, hosted by the job's first launcher; this module is the
-one place that connects to it and says, in words, when it is gone.
+(heartbeat.py). A TCPStore hosted by the job's first launcher (HOST:PORT), or etcd's
+replicated keys (etcd://HOST:PORT,... -- see etcd.py), which no one host's loss takes
+away. This module is the one place that connects to it and says, in words, when it is gone.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_STORE
 
 PREFIX = "lockstep/elastic/"
@@ -23,13 +25,19 @@ class StoreGone(RuntimeError):
 
 def store_gone(address: str, error: BaseException) -> StoreGone:
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+    if address.startswith(etcd.SCHEME):
+        return StoreGone(f"the job's store in etcd at {address} does not answer ({first}): "
+                         "a majority of the etcd members must be up and reachable")
     return StoreGone(f"the job's store at {address} does not answer ({first}): the launcher "
                      "that hosts it (the job's first `lockstep run --elastic`) has exited or "
                      "cannot be reached")
 
 
 def connect(address: str, timeout: timedelta) -> dist.Store:
-    """The job's store at HOST:PORT (the launcher hosts it), under lockstep's prefix."""
+    """The job's store at HOST:PORT (a launcher hosts it) or etcd://... (etcd.py)."""
+    if address.startswith(etcd.SCHEME):
+        endpoints, prefix = etcd.parse(address)
+        return etcd.EtcdStore(endpoints, prefix, timeout)
     host, _, port = address.rpartition(":")
     try:
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
@@ -39,7 +47,8 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
 
 
 def job_address(address: str | None) -> str:
-    """HOST:PORT of the job's store: as given, else what `lockstep run --elastic` set."""
+    """The job's store, HOST:PORT or etcd://...: as given, else what `lockstep run
+    --elastic` set."""
     found = address or os.environ.get(ENV_STORE)
     if not found:
         raise RuntimeError(f"lockstep.Elastic: no job store: launch with `lockstep run "

@@ -58,7 +58,9 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="this host's rank, 0 for the host that holds the rendezvous "
                    "(default: torchrun decides)")
     p.add_argument("--rdzv-endpoint", default=None,
-                   help="HOST:PORT of the rendezvous (one host of the job) for several hosts")
+                   help="HOST:PORT of the rendezvous (one host of the job) for several hosts; "
+                   "with --elastic also etcd://HOST:PORT,HOST:PORT,...: the job's store in etcd, "
+                   "which survives the loss of any one host")
     p.add_argument("--rdzv-id", default=None,
                    help="job id shared by all hosts (default 'lockstep')")
     p.add_argument("--local-addr", default=None,
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.nnodes not in ("1", "1:1") and args.rdzv_endpoint is None:
         run_parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
                          "of the job, the same on every host)")
+    if (args.rdzv_endpoint or "").startswith("etcd://") and not args.elastic:
+        run_parser.error("an etcd:// endpoint holds a fault-tolerant job's store: add --elastic")
     launch = run
     if args.elastic:
         from lockstep.launch.elastic import run_elastic as launch

@@ -25,6 +25,7 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
 from lockstep.elastic.heartbeat import Liveness
 from lockstep.elastic.store import PREFIX
@@ -43,19 +44,32 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
         print(f"lockstep run: {problem}", file=sys.stderr)
         return 2
     endpoint = spec.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    lease: etcd.LauncherLease | None = None
+    store: dist.Store
     try:
-        store, hosting = open_store(endpoint, spec.node_rank, timeout_s)
-    except (RuntimeError, OSError) as error:
+        if endpoint.startswith(etcd.SCHEME):  # replicated: nobody hosts it
+            job = spec.rdzv_id or "lockstep"
+            store, address, lease, started = etcd.join_job(endpoint, job,
+                                                           timedelta(seconds=timeout_s))
+            hosting, again = False, f"--rdzv-endpoint {endpoint} --rdzv-id {job}"
+        else:
+            store, hosting = open_store(endpoint, spec.node_rank, timeout_s)
+            address, started, again = endpoint, hosting, f"--rdzv-endpoint {endpoint}"
+    except (RuntimeError, OSError, ValueError) as error:
         print(f"{_SAY} {error}", file=sys.stderr)
         return 2
-    if hosting:
+    if started:
         print(f"{_SAY} job store at {endpoint}; to add workers later, run on any host: "
-              f"lockstep run --elastic -n 1 --rdzv-endpoint {endpoint} {spec.target}",
-              file=sys.stderr, flush=True)
+              f"lockstep run --elastic -n 1 {again} {spec.target}", file=sys.stderr,
+              flush=True)
     host = os.environ.get("LOCKSTEP_HOST") or spec.local_addr or socket.gethostname()
-    workers = [_start(spec, endpoint, host, i) for i in range(spec.nproc)]
-    code = _supervise(workers, lambda pid: worker_name(store, host, pid),
-                      lambda pid: mark_gone(store, host, pid))
+    workers = [_start(spec, address, host, i) for i in range(spec.nproc)]
+    try:
+        code = _supervise(workers, lambda pid: worker_name(store, host, pid),
+                          lambda pid: mark_gone(store, host, pid))
+    finally:
+        if lease is not None:
+            lease.close()
     if hosting:
         _serve_until_idle(store)
     return code
