@@ -36,6 +36,8 @@ parser.add_argument("--algorithm", default="native", help="native, shm, hierarch
 parser.add_argument("--compress", default=None, help="bf16 or fp16 on the wire")
 parser.add_argument("--check-every", type=int, default=100, help="drift check (0: off)")
 parser.add_argument("--record", default=None, help="folder for per-worker JSON records")
+parser.add_argument("--collective-timeout", type=float, default=15.0, help="seconds until a "
+                    "peer that went silent (its host cut off) is given up on")
 args = parser.parse_args()
 
 train_set, test_set = mnist()
@@ -45,7 +47,8 @@ net = small_cnn()
 optimizer = torch.optim.Adam(net.parameters(), lr=args.lr)
 job = lockstep.Elastic(net, optimizer, wrap=lambda m: lockstep.DataParallel(
     m, algorithm=args.algorithm, compress=args.compress),
-    config=ElasticConfig(check_every=args.check_every),
+    config=ElasticConfig(check_every=args.check_every,
+                         collective_timeout_s=args.collective_timeout),
     agree={"global_batch": args.global_batch, "epochs": args.epochs})  # a joiner must match
 steps_per_epoch = len(train_set) // args.global_batch  # the tail of each epoch is dropped
 record = Path(args.record) / f"worker-{job.coordinator.id}.jsonl" if args.record else None

@@ -25,9 +25,11 @@ def members() -> Iterator[EtcdMembers]:
         yield started
 
 
-def _store(members: EtcdMembers, prefix: str, timeout_s: float = 5.0) -> etcd.EtcdStore:
+def _store(members: EtcdMembers, prefix: str, timeout_s: float = 5.0,
+           patience_s: float = 0.5) -> etcd.EtcdStore:
     endpoints, _ = etcd.parse(members.address)
-    return etcd.EtcdStore(endpoints, prefix, timedelta(seconds=timeout_s))
+    return etcd.EtcdStore(endpoints, prefix, timedelta(seconds=timeout_s),
+                          timedelta(seconds=patience_s))
 
 
 def test_the_store_keeps_tcpstores_rules(members: EtcdMembers) -> None:
@@ -109,6 +111,13 @@ def test_the_store_answers_while_any_one_member_is_down() -> None:
         own.kill(2)  # two of three down: no majority, and etcd rightly refuses to answer
         with pytest.raises(etcd.EtcdUnavailable, match="no etcd member answered"):
             store.set("k", "no majority")
+        # A patient store (a worker's, cut off for a while) asks again until they are back
+        patient, done = _store(own, "failover/", patience_s=60), []
+        asking = threading.Thread(target=lambda: done.append(patient.add("n", 1)))
+        asking.start()
+        own.restart(2)
+        asking.join(timeout=60)
+        assert done == [2]
 
 
 def test_a_job_goes_on_through_a_workers_kill_and_an_etcd_members(

@@ -62,12 +62,26 @@ def _bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
 class EtcdClient:
     """etcd's v3 JSON API over HTTP, with fail-over between members. Keys are bytes."""
 
-    def __init__(self, endpoints: Sequence[str]) -> None:
+    def __init__(self, endpoints: Sequence[str], patience_s: float = 0.0) -> None:
         self.endpoints = list(endpoints)
+        self.patience_s = patience_s
         self._answered = 0  # the member that answered last: asked first
 
     def call(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
-        data = json.dumps(body).encode()
+        """Ask the members in turn, round after round for `patience_s`, until one answers:
+        a worker whose link was cut for a while finds the store again when it returns
+        (and, left out meanwhile, joins again) rather than giving up at once."""
+        deadline, pause = time.monotonic() + self.patience_s, 0.1
+        while True:
+            try:
+                return self._ask_each(method, json.dumps(body).encode())
+            except EtcdUnavailable:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+    def _ask_each(self, method: str, data: bytes) -> dict[str, Any]:
         problems = []
         for attempt in range(len(self.endpoints)):
             index = (self._answered + attempt) % len(self.endpoints)
@@ -145,9 +159,12 @@ _KEPT: list[EtcdStore] = []
 class EtcdStore(dist.Store):
     """A c10d Store over keys under `prefix` in etcd (see the module docstring)."""
 
-    def __init__(self, endpoints: Sequence[str], prefix: str, timeout: timedelta) -> None:
+    def __init__(self, endpoints: Sequence[str], prefix: str, timeout: timedelta,
+                 patience: timedelta | None = None) -> None:
+        """`timeout`: how long a wait for a key may take; `patience`: how long a request
+        goes on asking when no member answers (default: `timeout`)."""
         super().__init__()  # (the c10d trampoline needs it)
-        self.client = EtcdClient(endpoints)
+        self.client = EtcdClient(endpoints, (patience or timeout).total_seconds())
         self.prefix = prefix.encode()
         self.set_timeout(timeout)
         # A PrefixStore or a process group holds only the C++ half; once Python lets go of

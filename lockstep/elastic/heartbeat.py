@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lockstep.comm.diagnostics import connection_lost
+from lockstep.elastic.etcd import EtcdUnavailable
 from lockstep.elastic.membership import Membership
 from lockstep.elastic.store import PREFIX, connect, store_gone
 from lockstep.elastic.terms import differences
@@ -145,6 +146,9 @@ class Heartbeat:
             try:
                 self.store.add(f"hb/{self.worker}", 1)
                 self._watch_growth()
+            except EtcdUnavailable as error:  # replicated: reachable again later, maybe
+                log.warning("worker %d: %s; asking again", self.worker,
+                            store_gone(self.address, error))
             except Exception as error:  # the store's host is gone: quorums will say so
                 if not self._complained:
                     self._complained = True

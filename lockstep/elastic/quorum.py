@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lockstep.comm.diagnostics import connection_lost
+from lockstep.elastic.etcd import EtcdUnavailable
 from lockstep.elastic.heartbeat import Heartbeat, Liveness, admissible_joiners
 from lockstep.elastic.membership import Candidate, Membership, decide
 from lockstep.elastic.store import PREFIX, connect, store_gone
@@ -75,7 +76,10 @@ class Coordinator:
         self.config, self.host, self.initial = config, host, initial
         self.terms, self.address = terms or {}, address
         self.latest = -1  # the newest epoch this worker has seen decided
-        self.base = connect(address, timedelta(seconds=config.collective_timeout_s))
+        # (an etcd store is asked again while its members cannot be reached, for as long
+        # as a worker left out may take to join again)
+        self.base = connect(address, timedelta(seconds=config.collective_timeout_s),
+                            timedelta(seconds=config.join_timeout_s))
         self.store = dist.PrefixStore(PREFIX, self.base)
         self.id = int(self.store.add("next_id", 1)) - 1
         self.store.set(f"host/{self.id}", json.dumps([host, os.getpid()]))
@@ -155,6 +159,8 @@ class Coordinator:
             try:
                 if self.store.check([key]):
                     at = int(self.store.get(key))
+            except EtcdUnavailable:  # unreachable for now: no joiner is let in meanwhile
+                return False
             except (RuntimeError, OSError) as error:  # nobody can join without the store:
                 if not connection_lost(error):        # train on; a failure will say so
                     raise

@@ -33,11 +33,13 @@ def store_gone(address: str, error: BaseException) -> StoreGone:
                      "cannot be reached")
 
 
-def connect(address: str, timeout: timedelta) -> dist.Store:
-    """The job's store at HOST:PORT (a launcher hosts it) or etcd://... (etcd.py)."""
+def connect(address: str, timeout: timedelta, patience: timedelta | None = None
+            ) -> dist.Store:
+    """The job's store at HOST:PORT (a launcher hosts it) or etcd://... (etcd.py), where a
+    request goes on asking for `patience` while no member answers (a cut link)."""
     if address.startswith(etcd.SCHEME):
         endpoints, prefix = etcd.parse(address)
-        return etcd.EtcdStore(endpoints, prefix, timeout)
+        return etcd.EtcdStore(endpoints, prefix, timeout, patience)
     host, _, port = address.rpartition(":")
     try:
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,

@@ -33,6 +33,7 @@ from types import FrameType
 from typing import IO
 
 from lockstep.logs import get_logger
+from lockstep.tools.etcd_members import EtcdMembers, Member
 
 log = get_logger(__name__)
 
@@ -74,6 +75,9 @@ class Cluster:
     hosts: int = 2
     bandwidth: str | None = "1gbit"
     """Per-host link rate in each direction ("100mbit", "1gbit", ...); None: unshaped."""
+    etcd: int = 0
+    """Run an etcd member on each of the first `etcd` hosts (3: any one host may go): the
+    job store that `{etcd}` names in commands (lockstep/elastic/etcd.py)."""
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     """Short id in every interface and namespace name, so clusters do not collide."""
 
@@ -85,6 +89,9 @@ class Cluster:
         self.subnet = f"10.213.{int(self.tag, 16) % 250}"
         self.bridge = f"lsb{self.tag}"
         self._made: list[str] = []  # what exists, for teardown
+        self.etcd_members: EtcdMembers | None = None
+        if not 0 <= self.etcd <= self.hosts:
+            raise ValueError(f"etcd members must be 0..{self.hosts} (one per host)")
 
     # ---- names ----------------------------------------------------------------------
 
@@ -94,6 +101,10 @@ class Cluster:
     def interface(self, host: int) -> str:
         """The host's network interface inside its namespace (GLOO_SOCKET_IFNAME)."""
         return f"lsv{self.tag}n{host}"
+
+    def _outside(self, host: int) -> str:
+        """The host's end of its link on the bridge."""
+        return f"lsv{self.tag}h{host}"
 
     def address(self, host: int) -> str:
         return f"{self.subnet}.{host + 1}"
@@ -124,13 +135,22 @@ class Cluster:
         self._made.append(f"link:{self.bridge}")
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("link", "set", self.bridge, "up")
+        # This machine on the bridge too (.254), so it can reach the hosts' services: the
+        # etcd members' health, say (the hosts reach each other the same way with or without)
+        _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         for host in range(self.hosts):
             self._create_host(host)
+        if self.etcd:
+            self.etcd_members = EtcdMembers(
+                [Member(f"h{h}", self.address(h)) for h in range(self.etcd)],
+                spawn=lambda h, command: self.popen(h, command, stdout=subprocess.DEVNULL,
+                                                    stderr=subprocess.DEVNULL))
+            self.etcd_members.__enter__()
         log.info("cluster %s: %d hosts on %s.0/24, links %s", self.tag, self.hosts, self.subnet,
                  self.bandwidth or "unshaped")
 
     def _create_host(self, host: int) -> None:
-        ns, inside, outside = self.netns(host), self.interface(host), f"lsv{self.tag}h{host}"
+        ns, inside, outside = self.netns(host), self.interface(host), self._outside(host)
         self._made.append(f"netns:{ns}")
         _ip("netns", "add", ns)
         self._made.append(f"link:{outside}")
@@ -182,6 +202,9 @@ class Cluster:
     def teardown(self) -> None:
         """Kill every process left in the hosts and delete every link and namespace made.
         Safe to call twice; each step is attempted even if an earlier one fails."""
+        if self.etcd_members is not None:  # (its data folder, which the namespaces do not hold)
+            self.etcd_members.__exit__()
+            self.etcd_members = None
         for item in reversed(self._made):
             kind, name = item.split(":", 1)
             if kind == "netns":
@@ -193,6 +216,14 @@ class Cluster:
                 with contextlib.suppress(OSError):  # may still be in /etc/netns)
                     (os.unlink if kind == "file" else os.rmdir)(name)
         self._made.clear()
+
+    def kill_host(self, host: int) -> None:
+        """Every process on `host` dies at once (SIGKILL), as when the machine goes."""
+        self._kill_inside(self.netns(host))
+
+    def cut_link(self, host: int, cut: bool = True) -> None:
+        """Take `host`'s link down (its processes live on, unreachable), or up again."""
+        _ip("link", "set", self._outside(host), "down" if cut else "up")
 
     @staticmethod
     def _kill_inside(ns: str) -> None:
@@ -262,10 +293,13 @@ class Cluster:
         return self.run([job] * self.hosts, timeout=timeout)
 
     def expand(self, command: Sequence[str], host: int) -> list[str]:
-        """Fill in `{host}` (this host's index), `{addr}` (its address) and `{host0}`
-        (host 0's address, where a rendezvous can live)."""
+        """Fill in `{host}` (this host's index), `{addr}` (its address), `{host0}` (host
+        0's address, where a rendezvous can live) and `{etcd}` (the etcd members' endpoint,
+        etcd://..., with `etcd=`)."""
+        etcd = self.etcd_members.address if self.etcd_members else "{etcd}"
         return [part.replace("{host}", str(host)).replace("{addr}", self.address(host))
-                .replace("{host0}", self.address(0)) for part in command]
+                .replace("{host0}", self.address(0)).replace("{etcd}", etcd)
+                for part in command]
 
 
 def _supervise(procs: list[subprocess.Popen[str]], timeout: float) -> None:
@@ -315,13 +349,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bandwidth", default="1gbit",
                         help="per-host link rate in each direction, e.g. 100mbit, 1gbit, or "
                         "'none' for unshaped (default 1gbit)")
+    parser.add_argument("--etcd", type=int, default=0, metavar="K",
+                        help="start an etcd member on each of the first K hosts (3 survives "
+                        "any one host's loss); {etcd} in the command names them")
     parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="run on every host; {host}, {addr} and {host0} are filled in")
+                        help="run on every host; {host}, {addr}, {host0} and {etcd} are "
+                        "filled in")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give a command to run on every host, after --")
     bandwidth = None if args.bandwidth == "none" else args.bandwidth
-    with Cluster(args.hosts, bandwidth) as cluster:
+    with Cluster(args.hosts, bandwidth, etcd=args.etcd) as cluster:
         codes = cluster.stream([command] * args.hosts)
     return max(codes, key=abs, default=0)

@@ -15,10 +15,11 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-Spawn = Callable[[int, list[str]], "subprocess.Popen[bytes]"]
+Spawn = Callable[[int, list[str]], "subprocess.Popen[Any]"]
 """Starts member i's command (on its host)."""
 
 
@@ -59,7 +60,7 @@ class EtcdMembers:
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self.ready_timeout_s = ready_timeout_s
         self.data = tempfile.mkdtemp(prefix="lockstep-etcd-")
-        self.procs: list[subprocess.Popen[bytes] | None] = []
+        self.procs: list[subprocess.Popen[Any]] = []
 
     @classmethod
     def local(cls, count: int = 3) -> EtcdMembers:
@@ -74,27 +75,36 @@ class EtcdMembers:
         return "etcd://" + ",".join(f"{m.host}:{m.client_port}" for m in self.members)
 
     def __enter__(self) -> EtcdMembers:
-        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         try:
-            for i, m in enumerate(self.members):
-                self.procs.append(self.spawn(i, [
-                    "etcd", "--name", m.name, "--data-dir", f"{self.data}/{m.name}",
-                    "--listen-client-urls", m.client_url, "--advertise-client-urls",
-                    m.client_url, "--listen-peer-urls", m.peer_url,
-                    "--initial-advertise-peer-urls", m.peer_url, "--initial-cluster", cluster,
-                    "--initial-cluster-state", "new", "--initial-cluster-token", self.data]))
-            self._wait_ready()
+            self.procs = [self.spawn(i, self._command(i, "new")) for i in range(len(self.members))]
+            self._wait_ready(range(len(self.members)))
         except BaseException:
             self.__exit__()
             raise
         return self
 
-    def _wait_ready(self) -> None:
+    def _command(self, i: int, state: str) -> list[str]:
+        m = self.members[i]
+        return ["etcd", "--name", m.name, "--data-dir", f"{self.data}/{m.name}",
+                "--listen-client-urls", m.client_url, "--advertise-client-urls", m.client_url,
+                "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+                "--initial-cluster", ",".join(f"{o.name}={o.peer_url}" for o in self.members),
+                "--initial-cluster-state", state, "--initial-cluster-token", self.data]
+
+    def restart(self, i: int) -> None:
+        """Member i again, from its data (a host that came back): it catches up with the
+        others."""
+        self.kill(i)
+        self.procs[i] = self.spawn(i, self._command(i, "existing"))
+        self._wait_ready([i])
+
+    def _wait_ready(self, which: Iterable[int]) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        for i, m in enumerate(self.members):
+        for i in which:
+            m = self.members[i]
             while not _healthy(m):
                 proc = self.procs[i]
-                if proc is not None and proc.poll() is not None:
+                if proc.poll() is not None:
                     raise RuntimeError(f"etcd member {m.name} exited with {proc.returncode}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"etcd member {m.name} at {m.client_url} was not "
@@ -104,9 +114,9 @@ class EtcdMembers:
     def kill(self, i: int) -> None:
         """Member i dies (SIGKILL), as with its host."""
         proc = self.procs[i]
-        if proc is not None:
+        if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.wait()
 
     def __exit__(self, *exc: object) -> None:
         for i in range(len(self.procs)):
