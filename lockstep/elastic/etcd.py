@@ -236,6 +236,11 @@ class EtcdStore(dist.Store):
     def num_keys(self) -> int:
         return self.client.count(self.prefix)
 
+    # c10d's Python-store trampoline looks these two up by their C++ names: without them a
+    # PrefixStore over this store (every caller's) failed "pure virtual function".
+    deleteKey = delete_key
+    getNumKeys = num_keys
+
 
 # ---- which run of a job a launcher joins -------------------------------------------------
 
