@@ -9,11 +9,13 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from lockstep.elastic import etcd
 from lockstep.tools.cluster import Cluster, cluster_available, parse_bandwidth
 from tests import multihost_job
 
@@ -55,6 +57,29 @@ def test_hosts_exist_inside_and_are_removed_even_when_a_command_fails() -> None:
     assert not {c.netns(h) for h in range(3)} & namespaces()
     assert c.bridge not in links() and f"lsv{c.tag}" not in links()
     assert not any(Path("/etc/netns", c.netns(h)).exists() for h in range(3))
+
+
+@needs_namespaces
+def test_an_etcd_member_per_host_answers_through_a_host_kill_and_a_cut_link() -> None:
+    """`Cluster(etcd=3)`: a member on each host, `{etcd}` naming them; the store answers
+    after host 0 is killed whole and while host 1's link is cut (host 2 and the restarted
+    host 0 are a majority); its data folder goes with the cluster."""
+    with Cluster(hosts=3, bandwidth=None, etcd=3) as c:
+        assert c.etcd_members is not None
+        address = c.expand(["{etcd}"], 0)[0]
+        assert address == "etcd://" + ",".join(f"{c.address(h)}:2379" for h in range(3))
+        endpoints, _ = etcd.parse(address)
+        store = etcd.EtcdStore(endpoints, "cluster-test/", timedelta(seconds=5))
+        store.set("k", "1")
+        c.kill_host(0)
+        assert store.add("n", 1) == 1 and store.get("k") == b"1"
+        c.etcd_members.restart(0)
+        c.cut_link(1)
+        assert store.add("n", 1) == 2
+        c.cut_link(1, cut=False)
+        data = Path(c.etcd_members.data)
+        assert data.is_dir()
+    assert not data.exists() and not {c.netns(h) for h in range(3)} & namespaces()
 
 
 @needs_namespaces
