@@ -98,7 +98,7 @@ def check_lockstep(argv: list[str], monkeypatch: pytest.MonkeyPatch,
         ran: list[list[list[str]]] = []
 
         class Hosts:
-            def __init__(self, hosts: int, bandwidth: str | None) -> None:
+            def __init__(self, hosts: int, bandwidth: str | None, etcd: int = 0) -> None:
                 self.hosts = hosts
 
             def __enter__(self) -> Hosts:
@@ -114,7 +114,8 @@ def check_lockstep(argv: list[str], monkeypatch: pytest.MonkeyPatch,
         monkeypatch.setattr(cluster, "Cluster", Hosts)
         assert cluster.main(argv[1:]) == 0
         for host, command in enumerate(ran[0]):
-            filled = [word.format(host=host, addr=f"10.0.0.{host + 1}", host0="10.0.0.1")
+            filled = [word.format(host=host, addr=f"10.0.0.{host + 1}", host0="10.0.0.1",
+                                  etcd="etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379")
                       for word in command]
             check_command(filled, monkeypatch, capsys)
         return
