@@ -157,3 +157,21 @@ class LAMB(Optimizer):
                 trust = _trust_ratio(p.norm(), update.norm(), 1.0)
                 p.sub_(update * trust, alpha=group["lr"])
         return loss
+
+
+def clip_and_step(optimizer: Optimizer, parameters: Iterable[torch.Tensor],
+                  clip_norm: float | None, scaler: Any = None) -> None:
+    """One optimizer step as the Trainer takes it: the true gradients (unscaled, with a
+    loss scaler), their global norm clipped -- over every shard, for an optimizer that
+    holds shards (`clip_grad_norm_`) -- then the step (a scaler skips it on every rank if
+    any overflowed)."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)  # true gradients, before clipping
+    if clip_norm is not None and hasattr(optimizer, "clip_grad_norm_"):
+        optimizer.clip_grad_norm_(clip_norm)
+    elif clip_norm is not None:  # every rank holds the same averaged gradients: same clip
+        torch.nn.utils.clip_grad_norm_(parameters, clip_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+    else:
+        optimizer.step()

@@ -4,10 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import lockstep
+from lockstep.comm import timeline
 from lockstep.launch.run import LaunchSpec, run
 
 
@@ -71,6 +76,10 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     p.add_argument("--elastic", action="store_true",
                    help="fault tolerant (lockstep.Elastic): a worker that dies does not stop "
                    "the others, and the same command started later adds workers to the job")
+    p.add_argument("--timeline", default=None, metavar="PATH",
+                   help="record where each step's time goes on every worker (a Trainer "
+                   "script) and write one trace of all of them to PATH, for "
+                   "ui.perfetto.dev or chrome://tracing")
     p.add_argument("-m", "--module", action="store_true", help="target is a module")
     p.add_argument("target", help="script path (or module name with -m)")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -109,10 +118,33 @@ def main(argv: list[str] | None = None) -> int:
     launch = run
     if args.elastic:
         from lockstep.launch.elastic import run_elastic as launch
-    return launch(LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
-                             module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
-                             rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-                             local_addr=args.local_addr, max_restarts=args.max_restarts))
+    trace = Path(args.timeline).resolve() if args.timeline else None
+    with _environment(timeline.ENV, str(trace) if trace else None):
+        code = launch(LaunchSpec(
+            nproc=args.nproc, target=args.target, args=args.args, module=args.module,
+            nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts))
+    if code == 0 and trace is not None and not trace.exists():
+        print(f"lockstep run: no timeline was written to {trace}: the Trainer records one; "
+              "a script with its own loop does not", file=sys.stderr)
+    return code
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str | None) -> Iterator[None]:
+    """`name` set to `value` (if given) for the workers this launch starts, and only them."""
+    if value is None:
+        yield
+        return
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 if __name__ == "__main__":

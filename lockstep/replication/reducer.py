@@ -27,6 +27,7 @@ arrived (rank 0's order, broadcast), so buckets fill contiguously and launch ear
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 from torch.autograd import Variable
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.logs import get_logger
 from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
 from lockstep.replication.nonfinite import FiniteCheck
@@ -100,6 +102,7 @@ class Reducer:
         self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
                                f"({spec.numel} x {spec.dtype})", self.reduction)
                         for k, spec in enumerate(specs)]
+        self._launched_ns = [0] * len(self.buckets)
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for index, view in zip(bucket.spec.param_indices, bucket.views, strict=True):
@@ -220,6 +223,7 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
+            self._launched_ns[self._next_launch] = time.time_ns()  # (for the timeline)
             bucket.pending = self.reduction.start(bucket)
             self._next_launch += 1
 
@@ -280,10 +284,16 @@ class Reducer:
         return emptied
 
     def _wait_all(self) -> None:
-        for bucket in self.buckets:
+        recording, started = timeline.active(), time.time_ns()
+        for index, bucket in enumerate(self.buckets):
             assert bucket.pending is not None, f"{bucket.label} was never launched"
             bucket.pending.wait()
             bucket.pending = None
+            if recording is not None:  # launched -> its wait returned: done, as seen here
+                recording.add(bucket.label, self._launched_ns[index], time.time_ns(), "comm",
+                              bytes=bucket.flat.numel() * bucket.flat.element_size())
+        if recording is not None:  # what backward's end waited for communication
+            recording.add("wait for communication", started, time.time_ns())
         self.reduction.finish(self.buckets)
         if self.world_size == 1:  # a world of one has no one to send to
             self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}

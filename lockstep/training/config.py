@@ -81,6 +81,10 @@ class TrainConfig:
     LocalSGDConfig or DiLoCoConfig (every few steps); AsyncConfig with AsyncTrainer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When checkpoints are written, how many are kept, and what to resume from."""
+    timeline: str | None = None
+    """Record where each step's time went on every rank and write one trace there at the
+    end, for Perfetto or chrome://tracing (lockstep/comm/timeline.py). None: not recorded,
+    unless `lockstep run --timeline PATH` asked for it."""
     elastic: ElasticConfig | None = None
     """Fault tolerance (under `lockstep run --elastic`): a worker's death costs at most the
     step it interrupted, the survivors go on at once, and workers started later join at a

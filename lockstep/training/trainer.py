@@ -32,15 +32,16 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.comm.world import World, current, init
 from lockstep.lowcomm.paramserver import AsyncConfig
-from lockstep.optim import set_lr
+from lockstep.optim import clip_and_step, set_lr
 from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.replication.precision import LossScaler, autocast
 from lockstep.seeding import seed_everything
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.sharded import ShardConfig
-from lockstep.training import checkpoint, configfile, export
+from lockstep.training import checkpoint, configfile, export, tracing
 from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
@@ -101,6 +102,7 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.run_dir = Path(self.config.run_dir)
         self.finished_before = False  # fit() found the run's checkpoint at its end
+        self.timeline: Path | None = None  # where fit() wrote the step timeline (rank 0)
         self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed,  # type: ignore[arg-type]
                                       rank=self.world.rank, world_size=self.world.world_size)
         self.checkpoints = Checkpoints(
@@ -160,6 +162,7 @@ class Trainer:
             return summary
         self.runlog = self._open_runlog()
         samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
+        recording = tracing.start(self.config.timeline)
         try:
             while self.state.global_step < self.total_steps:
                 started, saving = time.perf_counter(), self.checkpoints.seconds
@@ -171,7 +174,9 @@ class Trainer:
             # every replica identical before the last evaluation
             self.survival.collective(lambda: self.model.finish())
             metrics = self._evaluate_and_record()
+            self.timeline = tracing.finish(recording, self.survival)
         finally:
+            timeline.activate(None)
             self.runlog.close()
         if self.world.is_main:
             plot_run(self.run_dir)
@@ -252,7 +257,8 @@ class Trainer:
             for callback in self.callbacks:
                 callback(self)
             if self.checkpoints.due(self.state, epoch_done, self.total_steps):
-                self.survival.collective(self.save_checkpoint)
+                with timeline.span("checkpoint"):
+                    self.survival.collective(self.save_checkpoint)
             window.started += time.perf_counter() - paused  # its throughput: training only
         return trained
 
@@ -267,6 +273,8 @@ class Trainer:
         None for a step dropped for a non-finite gradient (nonfinite="skip") or completed
         by peers while this worker's attempt failed (elastic)."""
         self._dropped = False
+        if (recording := timeline.active()) is not None:
+            recording.begin_step(self.state.global_step + 1)
         loss = self.survival.run_step(lambda model, step: self._gradients(
             model, self._step_batches(step, loader)))
         if loss is not None:
@@ -290,12 +298,14 @@ class Trainer:
         """Forward and backward over a step's micro-batches: the gradients, averaged over
         ranks once the last one's backward is done. Returns this rank's mean loss."""
         self._dropped_before = self._dropped_steps()
-        return sum(self._micro_step(model, read(), last=i == len(batches) - 1)
+        return sum(self._micro_step(model, _timed("data", read), last=i == len(batches) - 1)
                    for i, read in enumerate(batches))
 
     def _update(self) -> None:
         """Apply a step's gradients: once per committed step, on every rank."""
-        self._optimizer_step()
+        with timeline.span("optimizer"):
+            clip_and_step(self.optimizer, self.model.module.parameters(),
+                          self.config.grad_clip_norm, self.scaler)
         if self.scheduler is not None:  # stepped per optimizer step, not per epoch
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -304,28 +314,16 @@ class Trainer:
     def _micro_step(self, model: Replica, batch: MicroBatch, last: bool) -> float:
         x, y, divisor = batch
         with contextlib.nullcontext() if last else model.no_sync():
-            with autocast(self.config.precision, self.world.device):
+            with autocast(self.config.precision, self.world.device), timeline.span("forward"):
                 loss = self.loss_fn(model(x), y) / divisor
             try:
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                with timeline.span("backward"):  # (its end: the wait for communication)
+                    (self.scaler.scale(loss) if self.scaler else loss).backward()
             except NonFiniteGradientError as error:
                 raise NonFiniteGradientError(
                     f"training step {self.state.global_step + 1} (epoch "
                     f"{self.state.epoch}): {error}") from None
         return float(loss.item())
-
-    def _optimizer_step(self) -> None:
-        clip = self.config.grad_clip_norm
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)  # true gradients, before clipping
-        if clip is not None and hasattr(self.optimizer, "clip_grad_norm_"):
-            self.optimizer.clip_grad_norm_(clip)  # sharded: the norm over every shard
-        elif clip is not None:  # every rank holds the same averaged gradients: same clip
-            nn.utils.clip_grad_norm_(self.model.module.parameters(), clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skipped on every rank if any overflowed
-        else:
-            self.optimizer.step()
 
     def _dropped_steps(self) -> int:
         return int(self.model.comm_stats().get("skipped_steps", 0))
@@ -366,7 +364,8 @@ class Trainer:
     def _evaluate_and_record(self) -> dict[str, float]:
         if self.eval_set is None:
             return {}
-        metrics = self.survival.collective(self.evaluate)
+        with timeline.span("evaluation"):
+            metrics = self.survival.collective(self.evaluate)
         if metrics is None:  # left out meanwhile: the others evaluated without it
             return {}
         self.state.history.append({"step": self.state.global_step, **metrics})
@@ -394,3 +393,8 @@ class Trainer:
         After a `fit()` that found the run already finished, a file already at `path` is
         left as it is (it holds the same weights): remove it to write it again."""
         return export.export_run(self.model, path, self.finished_before)
+
+
+def _timed(name: str, read: Callable[[], MicroBatch]) -> MicroBatch:
+    with timeline.span(name):
+        return read()
