@@ -5,15 +5,23 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
 
+import lockstep
 from lockstep.comm import timeline
 from lockstep.launch import cli
 from lockstep.testing import World
-from tests.test_trainer import train
+from lockstep.training.attribution import RankWindow, Stragglers, attribute
+from lockstep.training.plots import read_metrics
+from tests.models import make_model
+from tests.test_trainer import config, digit_sets, sgd, train
 
 
 def test_the_last_steps_are_kept_whole_and_every_kth_before_them() -> None:
@@ -95,3 +103,92 @@ def test_lockstep_run_timeline_asks_every_worker_for_one(
     assert cli.main(["run", "--timeline", "t.json", "-n", "2", str(script)]) == 0
     assert seen == [str(Path("t.json").resolve())]
     assert timeline.ENV not in os.environ  # this process's own launches are unaffected
+
+
+# ---- attribution: who the others waited for, and why ---------------------------------------
+
+
+def test_the_slowest_ranks_cause_is_the_phase_that_exceeds_the_others() -> None:
+    fast = RankWindow(steps=5, data=0.001, forward=0.010, backward=0.030, wait=0.015,
+                      optimizer=0.002, comm=0.020)
+    slow = RankWindow(steps=5, data=0.021, forward=0.010, backward=0.016, wait=0.001,
+                      optimizer=0.002, comm=0.020)
+    found = attribute([fast, slow, fast], bytes_per_step=4e6)
+    assert found.slowest == 1 and found.cause == "its data loading"
+    assert found.behind == pytest.approx((0.021 + 0.010 + 0.015 + 0.002) / 0.028 - 1)
+    assert found.hidden == pytest.approx(1 - 0.015 / 0.020)  # what the others still waited
+    assert found.step_ms == pytest.approx(49.0)  # the slowest rank's step
+    assert found.bus_gbit == pytest.approx(4e6 * 8 * (4 / 3) / 0.020 / 1e9)
+    assert "slowest rank 1, +71% against the others (its data loading)" in found.line(10)
+    compute = RankWindow(steps=5, data=0.001, forward=0.030, backward=0.030, wait=0.001,
+                         optimizer=0.002, comm=0.020)
+    assert attribute([fast, compute], 0).cause == "its compute (forward)"
+
+
+def test_a_straggler_is_named_once_after_three_windows_behind_in_a_row() -> None:
+    watch = Stragglers()
+    late = attribute([RankWindow(1, data=0.001, forward=0.01),
+                      RankWindow(1, data=0.01, forward=0.01)], 0)
+    level = attribute([RankWindow(1, forward=0.01), RankWindow(1, forward=0.0102)], 0)
+    said = [watch.observe(w) for w in (late, late, level, late, late, late, late)]
+    assert said[:6] == [None] * 5 + [said[5]] and said[6] is None  # the run restarted at 3
+    assert said[5] is not None and said[5].startswith(
+        "straggler: rank 1 has been more than 10% behind the others for 3 logged windows")
+    assert said[5].endswith("its data loading")
+
+
+class SlowOnRank1(Dataset[Any]):
+    """Rank 1's data loading sleeps a little per sample (a slow disk, say)."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index: int) -> Any:
+        if torch.distributed.get_rank() == 1:
+            time.sleep(0.002)
+        return self.inner[index]
+
+
+class BurnOnRank1(nn.Module):
+    """Rank 1 does real extra work in forward (a slower machine)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.ballast = inner, torch.randn(160, 160)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.get_rank() == 1:
+            for _ in range(40):
+                self.ballast = (self.ballast @ self.ballast).tanh()
+        return self.inner(x)
+
+
+def run_with_a_planted_straggler(run_dir: str, plant: str) -> list[dict[str, Any]]:
+    train_set, test_set = digit_sets()
+    model = make_model("mlp")
+    if plant == "data":
+        train_set = SlowOnRank1(train_set)  # type: ignore[assignment]
+    else:
+        model = BurnOnRank1(model)
+    trainer = lockstep.Trainer(model, sgd, train_set, test_set,
+                               config=config(run_dir, timeline=f"{run_dir}/t.json"))
+    trainer.fit()
+    return [r for r in read_metrics(Path(run_dir)) if r["kind"] in ("timeline", "straggler")]
+
+
+@pytest.mark.parametrize("plant, cause", [("data", "its data loading"),
+                                          ("compute", "its compute (forward)")])
+def test_a_planted_straggler_is_named_with_its_cause_within_three_windows(
+        world2: World, tmp_path: Path, plant: str, cause: str) -> None:
+    records = world2.run(run_with_a_planted_straggler, str(tmp_path / plant), plant)[0]
+    windows = [r for r in records if r["kind"] == "timeline"]
+    assert len(windows) == 6  # 30 steps, logged every 5
+    assert [w["timeline_slowest"] for w in windows[:3]] == [1, 1, 1], windows
+    assert all(w["timeline_cause"] == cause and w["timeline_behind"] > 0.1
+               for w in windows[:3]), windows
+    named = [r for r in records if r["kind"] == "straggler"]
+    assert named and named[0]["step"] == 15 and named[0]["rank"] == 1, records
+    assert named[0]["cause"] == cause

@@ -54,15 +54,18 @@ class RunLog:
             self._bar = tqdm(total=total_steps, initial=first_step, desc="train", unit="step",
                              dynamic_ncols=True, file=sys.stderr, mininterval=0.5)
 
-    def record(self, kind: str, step: int, **values: float) -> None:
+    def record(self, kind: str, step: int, **values: float | str) -> None:
+        """One line of metrics.jsonl; its numbers go to the trackers too (a word, such as
+        a straggler's cause, only to the file)."""
         if not self.is_main:
             return
         assert self._jsonl is not None
         self._jsonl.write(json.dumps({"kind": kind, "step": step, "time": time.time(),
                                       **values}) + "\n")
         self._jsonl.flush()
+        numbers = {k: v for k, v in values.items() if isinstance(v, int | float)}
         for tracker in self._trackers:
-            tracker.log(kind, step, values)
+            tracker.log(kind, step, numbers)
 
     def progress(self, steps: int, **shown: str) -> None:
         """Advance the bar by `steps`; new figures for its right-hand side, if given."""

@@ -162,7 +162,7 @@ class Trainer:
             return summary
         self.runlog = self._open_runlog()
         samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
-        recording = tracing.start(self.config.timeline)
+        self.tracing = tracing.Tracing(self.config.timeline)
         try:
             while self.state.global_step < self.total_steps:
                 started, saving = time.perf_counter(), self.checkpoints.seconds
@@ -174,7 +174,7 @@ class Trainer:
             # every replica identical before the last evaluation
             self.survival.collective(lambda: self.model.finish())
             metrics = self._evaluate_and_record()
-            self.timeline = tracing.finish(recording, self.survival)
+            self.timeline = self.tracing.finish(self.survival)
         finally:
             timeline.activate(None)
             self.runlog.close()
@@ -298,7 +298,7 @@ class Trainer:
         """Forward and backward over a step's micro-batches: the gradients, averaged over
         ranks once the last one's backward is done. Returns this rank's mean loss."""
         self._dropped_before = self._dropped_steps()
-        return sum(self._micro_step(model, _timed("data", read), last=i == len(batches) - 1)
+        return sum(self._micro_step(model, tracing.timed("data", read), last=i == len(batches) - 1)
                    for i, read in enumerate(batches))
 
     def _update(self) -> None:
@@ -346,6 +346,8 @@ class Trainer:
                            lr=float(self.optimizer.param_groups[0]["lr"]),
                            epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
                            compression=wire["compression_ratio"], **extra)
+        self.tracing.window(self.survival, self.runlog, self.state.global_step, window.steps,
+                            wire["bytes_sent"])
         shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
                  "sent/step": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
         if wire["compression_ratio"] > 1.0:
@@ -394,7 +396,3 @@ class Trainer:
         left as it is (it holds the same weights): remove it to write it again."""
         return export.export_run(self.model, path, self.finished_before)
 
-
-def _timed(name: str, read: Callable[[], MicroBatch]) -> MicroBatch:
-    with timeline.span(name):
-        return read()
