@@ -205,9 +205,7 @@ def test_zero_3_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(
     steps = 60
     run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--hold-at",
                                       "30", "--mode", "zero3"], kill_at=8, job=JOB)
-    # (resuming: within 30 s, not 10 -- 1 run in 3 took 12 s before the survivors' first
-    # collective failed, as in test_elastic's ZeRO-2 test: open, said there)
-    finals = _check_history(run, steps, 12, order=order, resume_within=30.0)
+    finals = _check_history(run, steps, 12, order=order)  # (resuming: see _check_history)
     assert_weights(finals, reference(steps, 12))
     assert "3 -> 2 workers, continuing at step" in run["stderr"]
     assert "joined, state sent from rank 0, ZeRO shards from every member; 2 -> 3 workers" \
