@@ -90,6 +90,8 @@ def test_the_trainer_goes_on_through_a_kill_and_lets_a_worker_join(tmp_path: Pat
     assert written == [10, 20, 30, 40, 50, 60]
     assert "3 -> 2 workers, continuing at step" in run["stderr"]
     assert "joined, state sent from rank 0; 2 -> 3 workers" in run["stderr"]
+    # (and nothing kept the dropped DataParallel alive through the regroup -- checked in
+    # _check_history: the Trainer's checkpoints held it once, and resuming took 13 s)
 
 
 @pytest.mark.parametrize("mode", ["sync", "zero3"])

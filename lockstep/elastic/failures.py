@@ -3,13 +3,19 @@ agreed again, and dropping what a failed collective keeps alive."""
 
 from __future__ import annotations
 
+import gc
 import re
+import types
+from typing import Any
 
 import torch.distributed as dist
 
 from lockstep import comm
 from lockstep.comm.diagnostics import peer_closed
 from lockstep.elastic.store import StoreGone
+from lockstep.logs import get_logger
+
+log = get_logger(__name__)
 
 
 def membership_failure(error: BaseException) -> bool:
@@ -41,3 +47,23 @@ def forget_frames(error: BaseException) -> None:
 def first_line(error: BaseException) -> str:
     line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return re.sub(r"^rank \d+: ", "", line)[:200]  # the log record names the rank already
+
+
+def still_held(wrapper: Any, rank: int) -> None:
+    """Say who keeps a dropped wrapper alive: its reducer's finished and failed works keep
+    the old group's connections open, so a peer blocked on this rank in a collective is
+    not released and waits out its timeout (the quorum with it)."""
+    holders = sorted({_holder(r) for r in gc.get_referrers(wrapper)
+                      if not isinstance(r, types.FrameType)})
+    log.warning("rank %d: the dropped %s is still referenced (by %s): its group's "
+                "connections stay open until it goes", rank, type(wrapper).__name__,
+                ", ".join(holders) or "a frame")
+
+
+def _holder(referrer: Any) -> str:
+    """A referrer in words; a bound method by its name, and what holds the method."""
+    if isinstance(referrer, types.MethodType):
+        held = sorted({type(r).__name__ for r in gc.get_referrers(referrer)
+                       if not isinstance(r, types.FrameType)})
+        return f"its method {referrer.__func__.__qualname__}, held by {'/'.join(held)}"
+    return type(referrer).__name__

@@ -31,6 +31,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -42,7 +43,7 @@ from torch import nn
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import World, current
 from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
-from lockstep.elastic.failures import first_line, forget_frames, membership_failure
+from lockstep.elastic.failures import first_line, forget_frames, membership_failure, still_held
 from lockstep.elastic.handover import hand_over
 from lockstep.elastic.membership import Membership, describe, install, report
 from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
@@ -293,14 +294,16 @@ class Elastic:
             self._held = recovery.hold(self.model.zero_groups, self.optimizer,
                                        self._current().epoch, self.step)
             self.model.abandon()  # (close() would gather stage 3's shards: a collective)
-            self.model = None
             self.optimizer.group = None  # it would keep the old group's sockets open
+        elif drop_wrapper and hasattr(self.model, "close"):  # (no local may keep it)
+            self.model.close()
+        dropped = None
         if drop_wrapper and self.model is not None:
-            close = getattr(self.model, "close", None)
-            if close is not None:
-                close()
-            self.model = None
+            dropped, self.model = weakref.ref(self.model), None
+            self.drift = None  # it watches that wrapper (_rewrap makes the next one's)
         gc.collect()  # frames and works in reference cycles
+        if dropped is not None and dropped() is not None:
+            still_held(dropped(), self.world.rank)
         reporter.stop()  # no progress or watchdog store call while the group goes
         if dist.is_initialized():
             dist.destroy_process_group()

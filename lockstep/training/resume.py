@@ -60,8 +60,10 @@ class Checkpoints:
 
     config: CheckpointConfig
     root: Path
-    world: World
-    model: Any            # the parallel model (trainer.Replica)
+    # The world and the parallel model (trainer.Replica) now, asked at each use: under
+    # elastic= both change, and holding the old model would hold its group's connections
+    # open through a regroup (a peer blocked on them waited out its collective timeout)
+    current: Callable[[], tuple[World, Any]]
     optimizer: Any
     sampler: ShardedSampler
     global_batch: int
@@ -71,6 +73,14 @@ class Checkpoints:
     scheduler: Any = None
     scaler: Any = None
     seconds: float = 0.0  # spent writing, left out of the throughput
+
+    @property
+    def world(self) -> World:
+        return self.current()[0]
+
+    @property
+    def model(self) -> Any:
+        return self.current()[1]
 
     def due(self, state: RunState, epoch_done: bool, total_steps: int) -> bool:
         if not self.model.in_sync():  # replicas differ mid-round: wait for its end

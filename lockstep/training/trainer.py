@@ -106,7 +106,8 @@ class Trainer:
         self.sampler = ShardedSampler(train_set, shuffle=True, seed=self.config.seed,  # type: ignore[arg-type]
                                       rank=self.world.rank, world_size=self.world.world_size)
         self.checkpoints = Checkpoints(
-            self.config.checkpoint, self.run_dir / "checkpoints", self.world, self.model,
+            self.config.checkpoint, self.run_dir / "checkpoints",
+            lambda: (self.world, self.model),
             self.optimizer, self.sampler, self.config.global_batch_size, self.steps_per_epoch,
             self._config_record, self.config.seed, self.scheduler, self.scaler)
 
@@ -211,10 +212,9 @@ class Trainer:
         return step != previous and step % self.steps_per_epoch == 0
 
     def _follow_members(self) -> None:
-        """After a regroup: the checkpoints write through the new model and world, and
-        the metrics and progress bar follow rank 0 to whichever worker holds it now."""
+        """After a regroup: the sampler takes the new rank, and the metrics and progress bar
+        follow rank 0 to whichever worker holds it now (the checkpoints ask each time)."""
         world = self.world
-        self.checkpoints.world, self.checkpoints.model = world, self.model
         self.sampler.rank, self.sampler.world_size = world.rank, world.world_size
         if self.runlog.is_main != world.is_main:
             self.runlog.close()
