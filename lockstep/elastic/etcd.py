@@ -146,6 +146,16 @@ def absent(key: bytes) -> dict[str, Any]:
     return {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
 
 
+def unchanged(key: bytes, record: dict[str, Any]) -> dict[str, Any]:
+    """A transaction's comparison: the key is as it was when `record` was read."""
+    return {"key": _b64(key), "target": "MOD", "mod_revision": record["mod_revision"]}
+
+
+def value_of(record: dict[str, Any]) -> bytes:
+    """A key's value, from its record (etcd leaves an empty value out)."""
+    return base64.b64decode(record.get("value", ""))
+
+
 def put_request(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
     put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
     if lease:
@@ -181,24 +191,18 @@ class EtcdStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """The value, waiting for the key up to the store's timeout (as TCPStore does)."""
-        self.wait([key])
-        found = self.client.get(self._key(key))
-        if found is None:  # deleted in between
-            raise dist.DistStoreError(f"etcd store: key {key!r} was deleted while read")
-        return base64.b64decode(found.get("value", ""))
+        return value_of(self._await([key])[0])
 
     def add(self, key: str, amount: int) -> int:
         full = self._key(key)
         while True:
             found = self.client.get(full)
             if found is not None and amount == 0:  # a read: no write, no revision spent
-                return int(base64.b64decode(found.get("value", "")) or 0)
+                return int(value_of(found) or 0)
             if found is None:
                 compare, new = absent(full), amount
             else:
-                compare = {"key": _b64(full), "target": "MOD",
-                           "mod_revision": found["mod_revision"]}
-                new = int(base64.b64decode(found.get("value", "")) or 0) + amount
+                compare, new = unchanged(full, found), int(value_of(found) or 0) + amount
             if self.client.transact(compare, [put_request(full, str(new).encode())],
                                     []).get("succeeded"):
                 return new  # else another worker added in between: read again
@@ -215,15 +219,24 @@ class EtcdStore(dist.Store):
         if answer.get("succeeded"):
             return new
         kvs = answer["responses"][0]["response_range"].get("kvs")
-        return base64.b64decode(kvs[0].get("value", "")) if kvs else want
+        return value_of(kvs[0]) if kvs else want
 
     def check(self, keys: list[str]) -> bool:
         return all(self.client.get(self._key(key)) is not None for key in keys)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._await(keys, timeout)
+
+    def _await(self, keys: list[str], timeout: timedelta | None = None
+               ) -> list[dict[str, Any]]:
+        """The keys' records once every one exists (read once each round: `get` needs no
+        second read after the wait), waiting up to `timeout` (the store's)."""
         limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]
         deadline, pause = time.monotonic() + limit, 0.002
-        while not self.check(keys):
+        while True:
+            found = [self.client.get(self._key(key)) for key in keys]
+            if all(record is not None for record in found):
+                return found  # type: ignore[return-value]
             if time.monotonic() > deadline:
                 raise dist.DistStoreError(f"etcd store: wait timeout after {limit * 1000:.0f}"
                                           f"ms, keys: {keys}")
@@ -289,14 +302,13 @@ def join_job(address: str, job: str, timeout: timedelta
     me = str(lease.id).encode()
     while True:
         current = client.get(base + b"run")
-        run = base64.b64decode(current["value"]) if current else b""
+        run = value_of(current) if current else b""
         if current and client.count(base + b"launchers/" + run + b"/"):
             client.put(base + b"launchers/" + run + b"/" + me, b"", lease.id)
             started = False
             break
         new = uuid.uuid4().hex.encode()
-        compare = absent(base + b"run") if current is None else \
-            {"key": _b64(base + b"run"), "target": "MOD", "mod_revision": current["mod_revision"]}
+        compare = absent(base + b"run") if current is None else unchanged(base + b"run", current)
         if client.transact(compare, [put_request(base + b"run", new),
                                      put_request(base + b"launchers/" + new + b"/" + me, b"",
                                                  lease.id)], []).get("succeeded"):

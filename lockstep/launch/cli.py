@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lockstep
 from lockstep.comm import timeline
+from lockstep.elastic import etcd
 from lockstep.launch.run import LaunchSpec, run
 
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.nnodes not in ("1", "1:1") and args.rdzv_endpoint is None:
         run_parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
                          "of the job, the same on every host)")
-    if (args.rdzv_endpoint or "").startswith("etcd://") and not args.elastic:
+    if (args.rdzv_endpoint or "").startswith(etcd.SCHEME) and not args.elastic:
         run_parser.error("an etcd:// endpoint holds a fault-tolerant job's store: add --elastic")
     launch = run
     if args.elastic:
