@@ -20,21 +20,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-JOB = """
+JOB_TEMPLATE = """
 import json, sys, torch, lockstep
 from lockstep.demo.data import mnist
 from lockstep.demo.models import small_cnn
-elastic = sys.argv[1] == "on"
+on = sys.argv[1] == "on"
 train, test = mnist()
 config = lockstep.TrainConfig(global_batch_size=96, epochs=int(sys.argv[3]), run_dir=sys.argv[2],
-                              progress=False, trackers=(), log_every_steps=20,
+                              progress=False, trackers=(), log_every_steps={log_every},
                               checkpoint=lockstep.CheckpointConfig(resume="never"),
-                              elastic=lockstep.ElasticConfig() if elastic else None)
+                              {setting})
 summary = lockstep.Trainer(small_cnn, lambda p: torch.optim.Adam(p, lr=2e-3), train, test,
                            config=config).fit()
 if lockstep.comm.world.current().is_main:
-    print("SUMMARY", json.dumps({"samples_per_s": summary["samples_per_s"]}), flush=True)
+    print("SUMMARY", json.dumps({{"samples_per_s": summary["samples_per_s"]}}), flush=True)
 """
+"""The MNIST CNN Trainer job the cost benchmarks time (argv: on|off RUN_DIR EPOCHS);
+`setting` is the TrainConfig keyword that "on" turns on."""
+JOB = JOB_TEMPLATE.format(log_every=20,
+                          setting="elastic=lockstep.ElasticConfig() if on else None")
+
+
+def trainer_speed(command: list[str]) -> float:
+    """Run a launch of the job; its training throughput (the Trainer's own samples/s)."""
+    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith("SUMMARY"))
+    return float(json.loads(line.split(" ", 1)[1])["samples_per_s"])
 
 
 def run(mode: str, nproc: int, epochs: int, tmp: Path, port: int) -> float:
@@ -43,9 +54,7 @@ def run(mode: str, nproc: int, epochs: int, tmp: Path, port: int) -> float:
     launch = ["--elastic", "--rdzv-endpoint", f"127.0.0.1:{port}"] if mode == "on" else []
     command = [sys.executable, "-m", "lockstep.launch.cli", "run", *launch, "-n", str(nproc),
                str(script), mode, str(tmp / f"run-{mode}-{port}"), str(epochs)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("SUMMARY"))
-    return float(json.loads(line.split(" ", 1)[1])["samples_per_s"])
+    return trainer_speed(command)
 
 
 def main() -> None:

@@ -12,40 +12,25 @@ at the end are not) and the ratio on / off per round, and the median.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-JOB = """
-import json, sys, torch, lockstep
-from lockstep.demo.data import mnist
-from lockstep.demo.models import small_cnn
-train, test = mnist()
-config = lockstep.TrainConfig(global_batch_size=96, epochs=int(sys.argv[3]), run_dir=sys.argv[2],
-                              progress=False, trackers=(), log_every_steps=10,
-                              checkpoint=lockstep.CheckpointConfig(resume="never"),
-                              timeline=sys.argv[2] + "/timeline.json" if sys.argv[1] == "on"
-                              else None)
-summary = lockstep.Trainer(small_cnn, lambda p: torch.optim.Adam(p, lr=2e-3), train, test,
-                           config=config).fit()
-if lockstep.comm.world.current().is_main:
-    print("SUMMARY", json.dumps({"samples_per_s": summary["samples_per_s"]}), flush=True)
-"""
+from elastic_trainer_cost import JOB_TEMPLATE, trainer_speed  # noqa: E402  (the same job)
+
+JOB = JOB_TEMPLATE.format(log_every=10, setting='timeline=sys.argv[2] + "/timeline.json" '
+                          'if on else None')
 
 
 def run(mode: str, nproc: int, epochs: int, tmp: Path, tag: str) -> float:
     script = tmp / "job.py"
     script.write_text(JOB)
-    command = [sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(nproc),
-               str(script), mode, str(tmp / f"run-{tag}"), str(epochs)]
-    out = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=True).stdout
-    line = next(x for x in out.splitlines() if x.startswith("SUMMARY"))
-    return float(json.loads(line.split(" ", 1)[1])["samples_per_s"])
+    return trainer_speed([sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(nproc),
+                          str(script), mode, str(tmp / f"run-{tag}"), str(epochs)])
 
 
 def main() -> None:
