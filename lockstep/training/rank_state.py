@@ -43,13 +43,17 @@ def for_files(bundle: dict[str, Any], own_optimizer: bool,
     filling the result fills `bundle`."""
     rank = dist.get_rank()
     same = saved_ranks in (None, dist.get_world_size())
-    if not same and rank == 0:
-        log.warning("the checkpoint was written by %d rank(s) and this run has %d: each rank "
-                    "takes rank 0's optimizer state (local rounds) and starts its error "
-                    "feedback from zero, so training goes on, but not bitwise as it would "
-                    "have", saved_ranks, dist.get_world_size())
-    out = dict(bundle)
     extra = bundle.get("extra", {})
+    feedback = any(k.startswith(PER_RANK) for k in extra)
+    if not same and rank == 0 and (feedback or own_optimizer):  # (else nothing is per rank)
+        lost = [what for what, held in (("takes rank 0's optimizer state (local rounds)",
+                                         own_optimizer),
+                                        ("starts its error feedback from zero", feedback))
+                if held]
+        log.warning("the checkpoint was written by %d rank(s) and this run has %d: each rank "
+                    "%s, so training goes on, but not bitwise as it would have", saved_ranks,
+                    dist.get_world_size(), " and ".join(lost))
+    out = dict(bundle)
     out["extra"] = {k: t for k, t in extra.items() if not k.startswith(PER_RANK)}
     if same:
         out["extra"].update({f"{k}@rank{rank}": _own(t) for k, t in extra.items()
