@@ -30,7 +30,7 @@ from lockstep.comm import CollectiveError
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
 from lockstep.elastic.store import PREFIX
-from lockstep.launch.elastic import worker_name
+from lockstep.launch.elastic import _supervise, worker_name
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "elastic_job.py")
@@ -71,6 +71,18 @@ def test_the_launcher_names_a_worker_as_the_membership_does() -> None:
     assert worker_name(store, "vm", 2005) == members.name(2) == "worker 2 (pid 2005 on host vm)"
     assert worker_name(store, "vm", 2007) == \
         "a worker of this host (pid 2007) that had not joined the job yet"
+
+
+def test_the_launcher_tells_the_store_only_of_workers_that_did_not_finish() -> None:
+    """A worker that exits 0 finished and said so itself. Telling the store again after it
+    exited is a read from a store that may be gone with the host that served it (the last
+    worker left, so its launcher stopped): torch then printed its C++ stack trace at the
+    end of every multi-host run, on the hosts without the store."""
+    told: list[int] = []
+    workers = [subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+               for code in (0, 3)]
+    assert _supervise(workers, lambda pid: f"pid {pid}", told.append) == 0  # one finished
+    assert told == [workers[1].pid]
 
 
 def test_layout_needs_equal_hosts_in_order() -> None:
@@ -181,7 +193,7 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
                 launcher.kill()
     return {"victim": victim, "killed": killed, "resumed": min(r["time"] for r in resumed),
             "records": _records(out), "stderr": (out / "launcher1.err").read_text(),
-            "nproc": nproc}
+            "joiner": (out / "launcher2.err").read_text(), "nproc": nproc}
 
 
 def _check_history(run: dict[str, Any], steps: int, global_batch: int,
@@ -212,6 +224,9 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int,
         assert r["worker"] == victim["worker"] or r["pid"] == survivors.get(r["worker"], r["pid"])
     assert run["resumed"] - run["killed"] < resume_within
     assert "is still referenced" not in run["stderr"], run["stderr"]
+    # The joiner's launcher once told the store its worker had exited after the job's end,
+    # when the store was gone with the launcher that hosted it: torch's C++ stack trace
+    assert "TCPStore" not in run["joiner"], run["joiner"]
     lineage = finals[0]["lineage"]
     assert all(r["lineage"] == lineage for r in finals)
     assert [run[1] for run in lineage] == list(range(len(lineage)))  # epochs 0, 1, 2

@@ -190,14 +190,16 @@ def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str
         running = dict(enumerate(workers))
         while running:
             ended = [i for i, w in running.items() if w.poll() is not None]
-            for i in ended:  # at once: the peers need not wait out its heartbeat
-                gone(running[i].pid)
+            for i in ended:  # at once: the peers need not wait out its heartbeat. (One
+                if running[i].returncode != 0:  # that finished said so: the store that
+                    gone(running[i].pid)  # heard it may be gone already with its host)
             failed = any(running[i].returncode for i in ended)
             if failed and len(ended) < len(running):  # killed together: told together
                 time.sleep(_TOGETHER_S)
                 later = [i for i, w in running.items() if w.poll() is not None and i not in ended]
                 for i in later:
-                    gone(running[i].pid)
+                    if running[i].returncode != 0:
+                        gone(running[i].pid)
                 ended += later
             for w in [running.pop(i) for i in ended]:  # (popped first: `running` then
                 if w.returncode != 0 and not stopping:  # holds only those still alive)
