@@ -68,6 +68,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
                    "with another width differs from the job)")
     p.add_argument("--out", required=True)
+    p.add_argument("--timeline", action="store_true", help="record the step timeline")
     args = p.parse_args()
     out = Path(args.out)
     x, y = elastic_job.data()
@@ -81,6 +82,7 @@ def main() -> None:
         global_batch_size=args.global_batch, max_steps=args.steps, epochs=100,
         run_dir=str(out / "run"), log_every_steps=5, progress=False, trackers=(),
         eval_every_steps=10, parallel=parallel,
+        timeline=str(out / "timeline.json") if args.timeline else None,
         checkpoint=CheckpointConfig(every_steps=10, keep=20),
         elastic=ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5,
                               collective_timeout_s=args.collective_timeout,

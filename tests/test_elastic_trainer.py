@@ -75,7 +75,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def test_the_trainer_goes_on_through_a_kill_and_lets_a_worker_join(tmp_path: Path) -> None:
     steps = 60
     run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04",
-                                      "--hold-at", "30"], kill_at=8, job=JOB)
+                                      "--hold-at", "30", "--timeline"], kill_at=8, job=JOB)
     finals = _check_history(run, steps, 12, order=order)
     assert_weights(finals, reference(steps, 12))
     # One history of evaluations, the same on every worker (the joiner received it), and
@@ -92,6 +92,13 @@ def test_the_trainer_goes_on_through_a_kill_and_lets_a_worker_join(tmp_path: Pat
     assert "joined, state sent from rank 0; 2 -> 3 workers" in run["stderr"]
     # (and nothing kept the dropped DataParallel alive through the regroup -- checked in
     # _check_history: the Trainer's checkpoints held it once, and resuming took 13 s)
+    # The timeline went on through both regroups, and shows them on the survivors' tracks.
+    spans = [e for e in json.loads((tmp_path / "timeline.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1, 2}  # the final world, the joiner included
+    regroups = {e["name"] for e in spans}
+    assert {"regroup (a peer was lost)", "regroup (admitting joiners)"} <= regroups
+    assert any(r["kind"] == "timeline" for r in logged)  # attribution, every window
 
 
 @pytest.mark.parametrize("mode", ["sync", "zero3"])

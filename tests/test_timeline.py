@@ -93,6 +93,37 @@ def test_a_two_rank_trainer_run_writes_one_trace_of_both_ranks(world2: World,
     assert per_step < 20_000, per_step  # bounded: what one step costs on disk
 
 
+def comm_spans_of(run_dir: str, parallel: Any) -> list[tuple[str, int, int, dict[str, Any]]]:
+    """The communication track's spans on rank 0's trace: (name, step, track, args)."""
+    path = f"{run_dir}/timeline.json"
+    train(run_dir, timeline=path, parallel=parallel, max_steps=8)
+    if not lockstep.init().is_main:
+        return []
+    return [(e["name"], e["args"]["step"], e["tid"], e["args"]) for e in
+            json.loads(Path(path).read_text())["traceEvents"] if e["ph"] == "X" and e["pid"] == 0]
+
+
+def test_zero_and_diloco_put_their_communication_on_the_timeline(world2: World,
+                                                                 tmp_path: Path) -> None:
+    """ZeRO-3's parameter gathers and prefetches, its gradients' reduce-scatters (timed
+    while they run: they finish before the reducer's wait), ZeRO-2's all-gather of the
+    stepped parameters, and a DiLoCo round's sync, each on the communication track."""
+    zero3 = world2.run(comm_spans_of, str(tmp_path / "z3"), lockstep.ShardConfig(stage=3))[0]
+    step = [(name, args) for name, s, tid, args in zero3 if s == 5 and tid == 1]
+    names = [name for name, _ in step]
+    assert any(n.startswith("gather of parameter unit") for n in names), names
+    assert any(n.startswith("prefetch of parameter unit") for n in names), names
+    scattered = [args for name, args in step if name.startswith("gradient bucket")]
+    assert scattered and all(a["via"] == "ZeRO-3 reduce-scatter" for a in scattered)
+    zero2 = world2.run(comm_spans_of, str(tmp_path / "z2"), lockstep.ShardConfig(stage=2))[0]
+    assert ("all-gather of the stepped parameters (ZeRO-2)", 5, 1) in \
+        [(n, s, tid) for n, s, tid, _ in zero2]
+    diloco = world2.run(comm_spans_of, str(tmp_path / "dl"),
+                        lockstep.DiLoCoConfig(sync_every=4))[0]
+    assert sorted(s for n, s, tid, _ in diloco if n == "DiLoCo round's sync" and tid == 1) \
+        == [4, 8]
+
+
 def test_lockstep_run_timeline_asks_every_worker_for_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.comm import timeline
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import World, current
 from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
@@ -176,7 +177,8 @@ class Elastic:
                 begin()
             self.coordinator.heartbeat.tick(self.step)
             if self.coordinator.grow_due(self._current(), self.step):
-                self._regroup(planned=True)
+                with timeline.span("regroup (admitting joiners)"):
+                    self._regroup(planned=True)
             value = train_step(self.model, self.step)
             self.update()
             self._phase = 1
@@ -257,7 +259,8 @@ class Elastic:
             if self._phase == 0:  # the step's partial gradients are not to be used
                 self.optimizer.zero_grad(set_to_none=True)
             try:
-                self._regroup(planned=False)
+                with timeline.span("regroup (a peer was lost)"):
+                    self._regroup(planned=False)
                 return
             except Exception as again:
                 error = again

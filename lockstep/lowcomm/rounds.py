@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.comm.world import current
 from lockstep.replication.choices import refusing
 from lockstep.replication.consistency import verify_replicas_match
@@ -76,7 +77,8 @@ class _Replica(nn.Module):
     def after_step(self) -> None:
         self.local_steps += 1
         if self.local_steps % self.every == 0:
-            self.synchronise()
+            with timeline.span(f"{type(self).__name__} round's sync", "comm"):
+                self.synchronise()
             alone = comm.size_of(self.group) == 1  # a world of one sends nothing
             per_step = 0.0 if alone else self._round_bytes / self.every
             full = sum(p.numel() * p.element_size() for p in self.module.parameters())

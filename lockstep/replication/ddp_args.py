@@ -106,6 +106,17 @@ class NothingToTrainError(RuntimeError, ValueError):
     lockstep's was before."""
 
 
+def trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters that need reducing: those with requires_grad, each once (tied weights
+    share one entry), in registration order."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def requires_grad_mask(module: nn.Module) -> tuple[bool, ...]:
+    """Which parameters train, for noticing when that changes between steps."""
+    return tuple(p.requires_grad for p in module.parameters())
+
+
 def check_trainable(module: nn.Module) -> None:
     if not any(p.requires_grad for p in module.parameters()):
         raise NothingToTrainError("DataParallel: the module has no parameter that requires "

@@ -15,11 +15,11 @@ One step, as seen from here:
 Only a backward that follows a forward through the wrapper synchronises (as in torch's
 DDP): the forward arms the reducer for one backward, and hooks that fire unarmed -- a
 backward through `model.module` alone, before or after a synchronised one, or one inside
-`no_sync()` -- accumulate locally. The
-end-of-backward callback is queued from the outputs' own autograd nodes, so it runs at the
-end of the *outermost* backward even when reentrant activation checkpointing runs nested
-backwards inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and
-its hooks go with it.
+`no_sync()` -- accumulate locally. The end-of-backward
+callback is queued from the outputs' own autograd nodes, so it runs at the end of the
+*outermost* backward even when reentrant activation checkpointing runs nested backwards
+inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and its hooks go
+with it.
 
 After the first synchronised backward the plan is rebuilt in the order gradients actually
 arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
@@ -41,7 +41,7 @@ from lockstep.logs import get_logger
 from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
 from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.replication.outputs import find_tensors
-from lockstep.replication.reduction import Bucket, Reduction, adopt_gradient
+from lockstep.replication.reduction import Bucket, Done, Reduction, adopt_gradient
 
 log = get_logger(__name__)
 
@@ -102,7 +102,7 @@ class Reducer:
         self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
                                f"({spec.numel} x {spec.dtype})", self.reduction)
                         for k, spec in enumerate(specs)]
-        self._launched_ns = [0] * len(self.buckets)
+        self._comm_ns = [(0, 0)] * len(self.buckets)  # launched, done (if done at once)
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for index, view in zip(bucket.spec.param_indices, bucket.views, strict=True):
@@ -113,7 +113,7 @@ class Reducer:
                     adopt_gradient(param, view, 1.0)
 
     def bucket_sizes_mb(self) -> list[float]:
-        return [b.flat.numel() * b.flat.element_size() / MB for b in self.buckets]
+        return [b.nbytes / MB for b in self.buckets]
 
     def prepare_forward(self, sync: bool) -> None:
         """Called before each grad-enabled forward through the wrapper: clean up after a
@@ -223,8 +223,10 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
-            self._launched_ns[self._next_launch] = time.time_ns()  # (for the timeline)
+            launched = time.time_ns()  # (for the timeline)
             bucket.pending = self.reduction.start(bucket)
+            self._comm_ns[self._next_launch] = \
+                (launched, time.time_ns() if isinstance(bucket.pending, Done) else 0)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -290,15 +292,16 @@ class Reducer:
             bucket.pending.wait()
             bucket.pending = None
             if recording is not None:  # launched -> its wait returned: done, as seen here
-                recording.add(bucket.label, self._launched_ns[index], time.time_ns(), "comm",
-                              bytes=bucket.flat.numel() * bucket.flat.element_size())
+                launched, done = self._comm_ns[index]
+                recording.add(bucket.label, launched, done or time.time_ns(), "comm",
+                              via=self.reduction.name, bytes=bucket.nbytes)
         if recording is not None:  # what backward's end waited for communication
             recording.add("wait for communication", started, time.time_ns())
         self.reduction.finish(self.buckets)
         if self.world_size == 1:  # a world of one has no one to send to
             self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}
             return
-        raw = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)  # all launched
+        raw = sum(b.nbytes for b in self.buckets)  # all launched
         self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
                       "bytes_uncompressed": raw}
 
@@ -386,15 +389,3 @@ def _weak_hook(reducer: Reducer, index: int) -> Callable[[torch.Tensor], None]:
         if live is not None:
             live._on_grad_ready(index)
     return hook
-
-
-def trainable(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """Parameters that need reducing: those with requires_grad, each once (tied weights
-    share one entry), in registration order."""
-    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-
-
-
-def requires_grad_mask(module: torch.nn.Module) -> tuple[bool, ...]:
-    """Which parameters train, for noticing when that changes between steps."""
-    return tuple(p.requires_grad for p in module.parameters())

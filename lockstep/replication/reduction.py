@@ -90,6 +90,10 @@ class Bucket:
         self.label = label
         reduction.release(self)
 
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
 
 class Reduction:
     """How a bucket travels. The defaults describe plain memory and a plan of ~25 MB

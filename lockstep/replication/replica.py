@@ -31,14 +31,20 @@ from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default
 from lockstep.replication.choices import make_reduction
 from lockstep.replication.commhook import CommHook, check_comm_hook
 from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
-from lockstep.replication.ddp_args import check_trainable, pick, read_ddp_arguments
+from lockstep.replication.ddp_args import (
+    check_trainable,
+    pick,
+    read_ddp_arguments,
+    requires_grad_mask,
+    trainable,
+)
 from lockstep.replication.drift import replicated
 from lockstep.replication.join import Join, JoinHook
 from lockstep.replication.join_hook import ReplicaJoinHook
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.ownership import Owned, claim, owner_of
 from lockstep.replication.precision import LossScaler
-from lockstep.replication.reducer import Reducer, requires_grad_mask, trainable
+from lockstep.replication.reducer import Reducer
 from lockstep.replication.reduction import Reduction
 
 log = get_logger(__name__)

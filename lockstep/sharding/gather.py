@@ -15,6 +15,7 @@ kill the process without a Python error.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.replication.outputs import find_tensors
 from lockstep.sharding.zero import FlatGroup
 
@@ -110,13 +112,15 @@ class Gatherer:
         if group.pending is not None:
             group.finish_prefetch()
         elif not group.gathered:
-            group.start_gather(f"gather of parameter unit {u}", self.group).wait()
+            with timeline.span(f"gather of parameter unit {u}", "comm"):
+                group.start_gather(f"gather of parameter unit {u}", self.group).wait()
         group.gathered = True
 
     def _prefetch(self, u: int) -> None:
         group = self.groups[u]
         if group.gathered or group.pending is not None:
             return
+        group.pending_since_ns = time.time_ns()
         group.pending = group.start_gather(f"prefetch of parameter unit {u}", self.group)
 
     def reduced(self, u: int) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.sharding.zero import FlatGroup
 
 
@@ -139,7 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner.step(closure)
         self.stepped = True
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
-            self.gather_params("all-gather")
+            self.gather_params("all-gather of the stepped parameters")
 
     def skipped(self) -> None:
         """A loss scaler skipped the step on every rank: the state is the step's result."""
@@ -188,10 +189,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
         rank's slice of `flat` already; all gathers launched, then waited, so the backend
         may run them side by side."""
-        gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
-                                            self.group) for g in self.groups]
-        for work in gathers:
-            work.wait()
+        with timeline.span(f"{what} (ZeRO-{self.stage})", "comm"):
+            gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
+                                                self.group) for g in self.groups]
+            for work in gathers:
+                work.wait()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

@@ -34,6 +34,7 @@ The optimizer over the shards is optimizer.py's ZeroOptimizer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.replication.buckets import (
     BucketSpec,
     ParamSlot,
@@ -79,6 +81,7 @@ class FlatGroup:
     shard_grad: torch.Tensor = field(repr=False)   # the shard's averaged gradient
     gathered: bool = True
     pending: Any = None                             # an all-gather in flight (prefetch)
+    pending_since_ns: int = 0                       # ... launched then (for the timeline)
     mirror: slice | None = None                     # the next rank's shard, kept here too
     mirror_param: nn.Parameter | None = field(default=None, repr=False)
     mirror_grad: torch.Tensor | None = field(default=None, repr=False)
@@ -102,6 +105,10 @@ class FlatGroup:
         self.pending.wait()
         self.pending = None
         self.gathered = True
+        if (recording := timeline.active()) is not None:  # launched -> done, as seen here
+            recording.add(f"prefetch of parameter unit {self.index}", self.pending_since_ns,
+                          time.time_ns(), "comm", bytes=self.flat.numel() *
+                          self.flat.element_size())
 
     def release(self) -> None:
         """Shrink the full buffer to nothing; the parameters stay views of it."""
@@ -180,10 +187,9 @@ class ShardedReduction(Reduction):
     padded to split evenly), reduced by all-reduce (stage 1) or reduce-scatter into this
     rank's shard (2, 3), whose full buffers exist only while being reduced (2, 3)."""
 
-    name = "zero"
-
     def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
         self.groups, self.stage, self.group = groups, stage, group
+        self.name = f"ZeRO-{stage} " + ("all-reduce" if stage == 1 else "reduce-scatter")
         self.world_size = comm.size_of(group)
         self.specs = [BucketSpec(str(g.flat.dtype), tuple(range(_first(groups, g),
                                                                _first(groups, g) + len(g.params))),
