@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.comm import CollectiveError
+    from lockstep.comm.timeline import record_timeline
     from lockstep.comm.world import World, init
     from lockstep.elastic import Elastic, ElasticConfig
     from lockstep.lowcomm.paramserver import AsyncConfig
@@ -106,6 +107,7 @@ _WHERE = {
     "load_weights": "lockstep.training.export",
     "memory_report": "lockstep.replication.memory",
     "naive_average_gradients": "lockstep.replication.oracle",
+    "record_timeline": "lockstep.comm.timeline",
     "seed_everything": "lockstep.seeding",
     "shard": "lockstep.sharding.sharded",
     "ZeroOptimizer": "lockstep.sharding.optimizer",
@@ -173,6 +175,7 @@ __all__ = [
     "load_weights",
     "memory_report",
     "naive_average_gradients",
+    "record_timeline",
     "seed_everything",
     "shard",
 ]

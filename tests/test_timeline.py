@@ -124,6 +124,36 @@ def test_zero_and_diloco_put_their_communication_on_the_timeline(world2: World,
         == [4, 8]
 
 
+def plain_script(path: str) -> bool:
+    """A DDP-style loop, no Trainer: its own step marks and spans. Whether the recording
+    stopped with the context."""
+    lockstep.init()
+    torch.manual_seed(0)
+    model = lockstep.DataParallel(make_model("mlp"))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    with lockstep.record_timeline(path) as recording:
+        for step in range(1, 4):
+            recording.begin_step(step)
+            with recording.span("forward"):
+                loss = nn.functional.cross_entropy(model(x), y)
+            with recording.span("backward"):
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return timeline.active() is None
+
+
+def test_a_plain_script_records_a_timeline_in_a_context(world2: World, tmp_path: Path) -> None:
+    assert world2.run(plain_script, str(tmp_path / "t.json")) == [True, True]
+    spans = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]
+    for rank in (0, 1):
+        at = {(e["name"], e["tid"]) for e in spans if e["pid"] == rank and e["args"]["step"] == 3}
+        assert {("forward", 0), ("backward", 0), ("wait for communication", 0)} <= at, at
+        assert any(name.startswith("gradient bucket") and tid == 1 for name, tid in at), at
+
+
 def test_lockstep_run_timeline_asks_every_worker_for_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen = []

@@ -101,6 +101,34 @@ def span(name: str, track: str = "compute", **args: Any) -> contextlib.AbstractC
     return _active.span(name, track, **args) if _active is not None else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def record_timeline(path: str | Path, keep_last: int = 100, every: int = 20
+                    ) -> Iterator[Timeline]:
+    """The timeline for a script without the Trainer: every rank records while inside, and
+    leaving it (collective: every rank leaves) writes the merged trace on rank 0. The
+    buckets' all-reduces, ZeRO's gathers and the rounds' syncs are recorded by themselves;
+    the script marks its steps and phases:
+
+        with lockstep.record_timeline("runs/x/timeline.json") as recording:
+            for step, (x, y) in enumerate(loader, 1):
+                recording.begin_step(step)
+                with recording.span("forward"):
+                    loss = loss_fn(model(x), y)
+                with recording.span("backward"):
+                    loss.backward()
+
+    Left by an exception, nothing is written (the other ranks may not be there to merge).
+    """
+    recording = Timeline(path, keep_last, every)
+    activate(recording)
+    try:
+        yield recording
+    finally:
+        activate(None)
+    offsets, error_ns = align_clocks()
+    write_merged(recording, offsets, error_ns)
+
+
 def align_clocks(rounds: int = 9) -> tuple[list[int], int]:
     """Each rank's clock minus rank 0's, in ns, and the residual error of that estimate.
     Collective. Each round, the ranks leave a barrier together and read their clocks; the
