@@ -38,9 +38,10 @@ SCRIPT = str(ROOT / "examples" / "elastic_mnist.py")
 sys.path.insert(0, str(ROOT))
 
 
-def launcher(nproc: int, endpoint: str, record: Path, extra: list[str]) -> list[str]:
+def launcher(nproc: int, endpoint: str, record: Path, extra: list[str],
+             run: Path | None = None) -> list[str]:
     # (every launcher of one job: the same run folder, for the Trainer's checkpoints)
-    run_dir = ["--run-dir", str(record / "run")] if SCRIPT.endswith("trainer.py") else []
+    run_dir = ["--run-dir", str(run or record / "run")] if SCRIPT.endswith("trainer.py") else []
     return [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
             "--rdzv-endpoint", endpoint, SCRIPT, "--record", str(record), *run_dir, *extra]
 
@@ -99,29 +100,39 @@ def accuracy(output: str) -> float:
 def audit(folder: Path, global_batch: int, dataset: int) -> dict[str, Any]:
     """Along the final lineage (which membership committed which step), was every global
     batch trained exactly once? How many steps were computed and thrown away?"""
-    from lockstep.training.sampler import global_order
-
     rs = records(folder)
     finals = [r for r in rs if r.get("final")]
     lineage = finals[0]["lineage"]
     attempts = [r for r in rs if "attempt" in r]
-    per_epoch = dataset // global_batch
     steps = finals[0]["step"]
-    bad = []
-    for step in range(steps):
-        epoch = max(e for first, e in lineage if first <= step)
-        used = sorted(i for r in attempts if r["attempt"] == step and r["epoch"] == epoch
-                      for i in r["indices"])
-        data_epoch, within = divmod(step, per_epoch)
-        order = global_order(dataset, 0, data_epoch, True)
-        if used != sorted(order[within * global_batch:][:global_batch].tolist()):
-            bad.append(step)
-    committed = {(s, max(e for f, e in lineage if f <= s)) for s in range(steps)}
-    redone = sorted({s for s, e in {(r["attempt"], r["epoch"]) for r in attempts} - committed})
+    committed = {s: max(e for f, e in lineage if f <= s) for s in range(lineage[0][0], steps)}
+    bad = wrong_samples(attempts, committed, global_batch, dataset)
+    redone = sorted({s for s, e in {(r["attempt"], r["epoch"]) for r in attempts}
+                     - set(committed.items())})
     return {"steps": steps, "bad_steps": bad, "redone": redone, "lineage": lineage,
             "worlds": [g["world_size"] for g in max((f["regroups"] for f in finals), key=len)],
             "finals": len(finals), "attempts": attempts,
             "samples": steps * global_batch}
+
+
+def wrong_samples(attempts: list[dict[str, Any]], committed: dict[int, int], global_batch: int,
+                  dataset: int) -> list[int]:
+    """The steps whose committed attempt (step -> membership epoch) did not train exactly
+    that step's global batch of the sampler's order."""
+    from lockstep.training.sampler import global_order
+
+    used: dict[int, list[int]] = {s: [] for s in committed}
+    for r in attempts:
+        if committed.get(r["attempt"]) == r["epoch"]:
+            used[r["attempt"]] += r["indices"]
+    per_epoch = dataset // global_batch
+    bad = []
+    for step, indices in used.items():
+        data_epoch, within = divmod(step, per_epoch)
+        order = global_order(dataset, 0, data_epoch, True)
+        if sorted(indices) != sorted(order[within * global_batch:][:global_batch].tolist()):
+            bad.append(step)
+    return bad
 
 
 def report(name: str, baseline: float, result: dict[str, Any], killed_at: float,
