@@ -30,11 +30,12 @@ def _poisoned(x: torch.Tensor, step: int, rank: int, value: float) -> torch.Tens
     return x
 
 
-def check_loop(mode: str, precision: str, value: float) -> dict[str, object]:
+def check_loop(mode: str, precision: str, value: float, algorithm: str = "native"
+               ) -> dict[str, object]:
     """A plain training loop; rank 1's input holds `value` at step 4."""
     world = lockstep.init()
     net = make_model("mlp")
-    model = lockstep.DataParallel(net, bucket_mb=0.004, nonfinite=mode)
+    model = lockstep.DataParallel(net, bucket_mb=0.004, nonfinite=mode, algorithm=algorithm)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     error, steps_done = "", 0
     for step in range(1, 7):
@@ -57,8 +58,11 @@ def check_loop(mode: str, precision: str, value: float) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_nan_on_one_rank_stops_every_rank_at_that_step(world2: World, precision: str) -> None:
-    for rank, result in enumerate(world2.run(check_loop, "error", precision, float("nan"))):
+@pytest.mark.parametrize("algorithm", ["native", "shm"])  # the flags in the last bucket, or
+def test_a_nan_on_one_rank_stops_every_rank_at_that_step(  # in a collective of their own
+        world2: World, precision: str, algorithm: str) -> None:
+    for rank, result in enumerate(world2.run(check_loop, "error", precision, float("nan"),
+                                             algorithm)):
         assert result["steps"] == BAD_STEP - 1 and result["finite"], result
         message = result["error"]
         assert f"rank {rank}: synchronised backward {BAD_STEP}:" in message  # type: ignore[operator]
@@ -124,3 +128,31 @@ def check_large_but_finite() -> tuple[str, bool]:
 def test_large_finite_gradients_are_not_mistaken_for_nan(world2: World) -> None:
     for error, finite in world2.run(check_large_but_finite):
         assert error == "" and finite
+
+
+def collectives_per_step(algorithm: str) -> list[str]:
+    """The collectives three synchronised steps of a small model issued, by label (the
+    watchdog's ledger records each; it is on by default)."""
+    from lockstep.comm.ledger import ledger
+
+    lockstep.init()
+    model = lockstep.DataParallel(make_model("mlp"), algorithm=algorithm)
+    for step in range(1, 6):
+        if step == 3:  # (the plan is rebuilt in arrival order at the second forward)
+            seen = {key: len(ledger.recent(key, 10_000)) for key in ledger.history}
+        x, y = batch("mlp", step, 8)
+        F.cross_entropy(model(x), y).backward()
+    return [label for key in ledger.history
+            for _, _, label in ledger.recent(key, 10_000)[seen.get(key, 0):]]
+
+
+def test_the_flags_ride_in_the_last_bucket_where_every_element_is_summed(
+        world2: World) -> None:
+    """An all-reduce sums every element of a bucket on every rank, so the ranks' flags go at
+    its end: one collective per step for a one-bucket model, as DDP issues -- not two (a
+    tiny model's step is mostly collective latency). shm sums slices of shared memory:
+    its flags keep a collective of their own."""
+    native = world2.run(collectives_per_step, "native")[0]
+    assert len(native) == 3 and all(label.startswith("gradient bucket 1/1") for label in native)
+    shm = world2.run(collectives_per_step, "shm")[0]
+    assert shm.count("exchange of non-finite gradient flags") == 3, shm

@@ -30,7 +30,10 @@ from lockstep.replication.reduction import Bucket, Handle, Reduction
 
 class AllReduce(Reduction):
     """A reduction that sums a bucket's flat buffer in place: `all_reduce` is the one thing
-    a new algorithm says. Subclasses may also choose where buffers live."""
+    a new algorithm says. Subclasses may also choose where buffers live. Every element of
+    the buffer is summed (the last bucket carries the ranks' non-finite flags)."""
+
+    carries_flags = True
 
     def start(self, bucket: Bucket) -> Handle:
         return self.all_reduce(bucket.flat, bucket.label)

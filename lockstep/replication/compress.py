@@ -116,6 +116,8 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Cast(Compression):
+    carries_flags = True  # small whole numbers are exact in bf16 and fp16
+
     def __init__(self, dtype: str) -> None:
         if dtype not in HALF_DTYPES:
             raise ValueError(f"cast compression is 'bf16' or 'fp16', not {dtype!r}")

@@ -131,6 +131,8 @@ class _OnHost:
     """What shm and hierarchical share: buckets in host memory, each rank's share of the
     work on its slice (see HostSlices)."""
 
+    carries_flags = False  # (gradients may be absorbed straight into a peer's memory)
+
     host: HostSlices
 
     def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,

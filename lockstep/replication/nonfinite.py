@@ -2,15 +2,22 @@
 
 One rank's non-finite gradient becomes every rank's after the all-reduce, and from then on
 every weight: left alone, a run "finishes" with NaN weights and overwrites its good
-checkpoints with them. So the reducer looks at each local gradient as it arrives -- one sum
-per gradient, the cheapest pass over memory there is, and NaN and inf survive it -- and at
-the end of backward the ranks exchange one flag each, a tiny all-reduce launched alongside
-the last buckets. Every rank then knows the same thing at the same moment: which ranks'
-local gradients were not finite. A sum of finite values can overflow, so before anyone is
-stopped the averaged gradients of the flagged parameters are checked element by element.
-The default stops the job with an error naming the step, those ranks and the first
-parameter on each; `nonfinite="skip"` drops the step instead (every rank alike) and counts
-it.
+checkpoints with them. So the reducer sums this rank's gradients -- the cheapest pass over
+memory there is, and NaN and inf survive it -- and the ranks exchange one flag each. Every
+rank then knows the same thing at the same moment: which ranks' local gradients were not
+finite. A sum of finite values can overflow, so before anyone is stopped the averaged
+gradients of the flagged parameters are checked element by element. The default stops the
+job with an error naming the step, those ranks and the first parameter; `nonfinite="skip"`
+drops the step instead (every rank alike) and counts it.
+
+Two ways, one result. Where every element of a bucket arrives summed on every rank (an
+all-reduce: `Reduction.carries_flags`), each bucket is summed once as it launches and the
+flags ride at the end of the last bucket -- no collective of their own, no work per
+gradient (a tiny model's step is mostly collective latency; a second collective was a third
+of it). The parameters to name are then those whose averaged gradient is not finite: NaN
+and inf reach the average element by element. Elsewhere (ZeRO's reduce-scatter keeps only
+shards, a compressor changes the values) each gradient is summed as it arrives and the
+flags travel in a tiny all-reduce of their own, launched alongside the last buckets.
 
 While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
 agreed skip), so the check stands aside.
@@ -43,20 +50,46 @@ def check_mode(mode: str) -> None:
 class FiniteCheck:
     """Watches one reducer's gradients during each synchronised backward."""
 
-    def __init__(self, mode: str, names: Sequence[str], group: comm.Group) -> None:
+    def __init__(self, mode: str, names: Sequence[str], group: comm.Group,
+                 carried: bool = False) -> None:
         check_mode(mode)
         self.mode, self.names, self.group = mode, list(names), group
+        self.carried = carried and mode != "off"  # the flags ride in the last bucket
         self.backwards = 0        # synchronised backwards seen, for the step in messages
         self.skipped_steps = 0
         self._sums: list[tuple[int, torch.Tensor]] = []
         self._flags: torch.Tensor | None = None
 
+    @property
+    def extra(self) -> int:
+        """Elements the last bucket carries for the flags: one per rank, and the count of
+        ranks whose LossScaler is mid-step."""
+        return comm.size_of(self.group) + 1 if self.carried else 0
+
     def observe(self, index: int, grad: torch.Tensor) -> None:
         """Record parameter `index`'s local gradient by its sum: NaN and inf survive a sum,
         the cheapest pass over memory there is. (A sum of finite values can overflow;
-        `finish` tells that apart before anyone is stopped.)"""
-        if self.mode != "off":
+        `finish` tells that apart before anyone is stopped.) Carried: the buckets are
+        summed whole instead (`launching`)."""
+        if self.mode != "off" and not self.carried:
             self._sums.append((index, grad.detach().sum()))
+
+    def launching(self, gradients: torch.Tensor, flags: torch.Tensor | None) -> None:
+        """Carried: a bucket is about to launch -- sum its `gradients`; the last one (with
+        its `flags` elements) takes this rank's flag, everything having been summed."""
+        if not self.carried:
+            return
+        self._sums.append((-1, gradients.sum()))
+        if flags is not None:
+            self._flags = self._fill(flags.zero_())
+
+    def _fill(self, flags: torch.Tensor) -> torch.Tensor:
+        size = comm.size_of(self.group)
+        if self._sums:
+            local = torch.stack([total for _, total in self._sums])
+            flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
+        flags[size] = int(precision.loss_scaling_pending())
+        return flags
 
     def reset(self) -> None:
         """Forget a backward that did not finish."""
@@ -68,14 +101,10 @@ class FiniteCheck:
         the ranks whose LossScaler is mid-step (its overflow is then expected, and every
         rank leaves it to the scaler, whatever its own state)."""
         self.backwards += 1
-        if self.mode == "off":
+        if self.mode == "off" or self.carried:
             return None
-        size = comm.size_of(self.group)
-        flags = comm.control_tensor([0] * (size + 1), self.group)
-        if self._sums:
-            local = torch.stack([total for _, total in self._sums])
-            flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
-        flags[size] = int(precision.loss_scaling_pending())
+        flags = self._fill(comm.control_tensor([0] * (comm.size_of(self.group) + 1),
+                                               self.group))
         self._flags = flags
         return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
                                      self.group)
@@ -90,19 +119,25 @@ class FiniteCheck:
         be (`averaged_finite` says, or None where they are no longer held whole)."""
         flags, self._flags = self._flags, None
         sums, self._sums = self._sums, []
-        if exchange is None or flags is None:
+        if flags is None:
             return True
-        exchange.wait()
+        if exchange is not None:
+            exchange.wait()
         *per_rank, scaling = flags.tolist()
-        bad_ranks = [r for r, flag in enumerate(per_rank) if flag]
-        if not bad_ranks or scaling:
+        bad_ranks = [r for r, flag in enumerate(per_rank) if flag > 0.5]  # (sent as floats)
+        if not bad_ranks or scaling > 0.5:
             return True
-        suspects = comm.all_gather_object(_flagged(sums), "naming the non-finite gradients "
-                                          "on each rank", self.group)
+        if self.carried:  # the same averaged gradients on every rank: no collective
+            found = [i for i in range(len(self.names)) if averaged_finite([i]) is False]
+            suspects = [found if r in bad_ranks else [] for r in range(len(per_rank))]
+        else:
+            suspects = comm.all_gather_object(_flagged(sums), "naming the non-finite "
+                                              "gradients on each rank", self.group)
         if averaged_finite(sorted({i for indices in suspects for i in indices})) is True:
             return True  # finite values whose sum overflowed: nothing to stop for
         detail = "; ".join(f"rank {r}: first in '{self.names[suspects[r][0]]}'"
-                           for r in bad_ranks)
+                           for r in bad_ranks) if not self.carried or len(bad_ranks) == 1 \
+            else f"first in '{self.names[suspects[bad_ranks[0]][0]]}'"
         message = (f"rank {comm.rank_of(self.group)}: synchronised backward "
                    f"{self.backwards}: non-finite gradient (NaN or inf) in the local gradients "
                    f"of rank(s) {bad_ranks} ({detail})")

@@ -69,7 +69,7 @@ class Reducer:
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
         self.find_unused = find_unused
         self.group = group
-        self.finite = FiniteCheck(nonfinite, self.names, group)
+        self.finite = FiniteCheck(nonfinite, self.names, group, reduction.carries_flags)
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
@@ -100,7 +100,8 @@ class Reducer:
             return
         self._free_buckets()
         self.buckets = [Bucket(k, spec, self.params, f"gradient bucket {k + 1}/{len(specs)} "
-                               f"({spec.numel} x {spec.dtype})", self.reduction)
+                               f"({spec.numel} x {spec.dtype})", self.reduction,
+                               self.finite.extra if k == len(specs) - 1 else 0)
                         for k, spec in enumerate(specs)]
         self._comm_ns = [(0, 0)] * len(self.buckets)  # launched, done (if done at once)
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
@@ -113,7 +114,7 @@ class Reducer:
                     adopt_gradient(param, view, 1.0)
 
     def bucket_sizes_mb(self) -> list[float]:
-        return [b.nbytes / MB for b in self.buckets]
+        return [(b.flat.numel() - b.extra) * b.flat.element_size() / MB for b in self.buckets]
 
     def prepare_forward(self, sync: bool) -> None:
         """Called before each grad-enabled forward through the wrapper: clean up after a
@@ -223,6 +224,8 @@ class Reducer:
         buckets = self.buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].waiting == 0:
             bucket = buckets[self._next_launch]
+            self.finite.launching(bucket.flat[:bucket.spec.numel],
+                                  bucket.carried() if bucket.extra else None)
             launched = time.time_ns()  # (for the timeline)
             bucket.pending = self.reduction.start(bucket)
             self._comm_ns[self._next_launch] = \

@@ -78,11 +78,13 @@ class Bucket:
     """One flat gradient buffer and the parameters whose `.grad` are views into it."""
 
     def __init__(self, index: int, spec: BucketSpec, params: Sequence[torch.nn.Parameter],
-                 label: str, reduction: Reduction) -> None:
+                 label: str, reduction: Reduction, extra: int = 0) -> None:
         self.index, self.spec = index, spec  # index: its place in the plan (launch order)
         self.params = [params[i] for i in spec.param_indices]
         first = self.params[0]
-        self.flat = reduction.allocate(reduction.buffer_numel(spec), first.dtype, first.device)
+        self.extra = extra  # elements past the buffer that travel with it (the finite flags)
+        self.flat = reduction.allocate(reduction.buffer_numel(spec) + extra, first.dtype,
+                                       first.device)
         self.views = [self.flat[offset:offset + p.numel()].view_as(p)
                       for offset, p in zip(spec.offsets, self.params, strict=True)]
         self.waiting = len(self.params)  # parameters not yet ready in this backward
@@ -94,6 +96,10 @@ class Bucket:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    def carried(self) -> torch.Tensor:
+        """The `extra` elements at the end of the buffer."""
+        return self.flat[self.flat.numel() - self.extra:]
+
 
 class Reduction:
     """How a bucket travels. The defaults describe plain memory and a plan of ~25 MB
@@ -104,6 +110,10 @@ class Reduction:
     # False: buckets hold this rank's gradients as they are, and `start` averages
     # (DDP's communication hooks expect that; commhook.py).
     prescale = True
+    # Whether every element of a bucket's buffer arrives summed on every rank, so a few
+    # more can ride along: the ranks' non-finite flags travel in the last bucket then,
+    # instead of in a collective of their own (nonfinite.py).
+    carries_flags = False
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:
