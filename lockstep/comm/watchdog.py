@@ -92,6 +92,7 @@ class Watchdog:
         self._desynced: set[str] = set()  # groups whose desync has been reported
         self._patience = 0  # ticks waited for a desync's majority to show
         self._stalled: Record | None = None  # the collective last warned about
+        self._ended: Record | None = None  # ... seen complete once (told at the next look)
 
     def configure(self, stall_after: float, timeout_s: float, backend: str) -> None:
         """Turn the watchdog on (stall_after > 0, more than one rank) or off, on this rank.
@@ -152,10 +153,15 @@ class Watchdog:
     def _check_stall(self, store: dist.Store, rank: int) -> None:
         stalled = self._stalled
         if stalled is not None and stalled.complete():
-            self._stalled = None
-            if stalled.warned == 1:  # not failed: the rank that held it up came back
-                log.warning("rank %d: %s finished after all, within %.1fs.", rank,
-                            stalled.name(), time.monotonic() - stalled.issued)
+            # Told at the next look: a collective that failed completes too, and its waiter
+            # says so (explain: warned = 2) only once its wait has raised.
+            if self._ended is not stalled:
+                self._ended = stalled
+            else:
+                self._stalled = self._ended = None
+                if stalled.warned == 1:  # not failed: its straggler came back
+                    log.warning("rank %d: %s finished after all, within %.1fs.", rank,
+                                stalled.name(), time.monotonic() - stalled.issued)
         record = ledger.oldest_unfinished()
         if record is None:
             return
