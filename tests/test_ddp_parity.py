@@ -376,7 +376,11 @@ def check_dropped_wrappers_are_freed() -> list[str]:
             if _wrap_train_drop(config)() is not None or _held() != held:
                 problems.append(f"{config} round {round_}: wrapper alive, or threads and "
                                 f"process groups {_held()} instead of {held}")
-    if _live_tensor_bytes() != baseline:
+    # Whether to look closer is decided together: the look is collective (it wraps again),
+    # and a rank that alone saw a transient tensor left its peer waiting in a wrap for 30 s.
+    differs = torch.tensor([int(_live_tensor_bytes() != baseline)])
+    torch.distributed.all_reduce(differs, op=torch.distributed.ReduceOp.MAX)
+    if differs.item():
         for config in LIFETIME_CONFIGS:
             before = _live_tensor_bytes()
             _wrap_train_drop(config)
