@@ -1,6 +1,7 @@
 """lockstep.DataParallel against torch's DistributedDataParallel, side by side in one run.
 
-Two ranks on this machine train the same models on the same data four ways: lockstep with
+Two ranks on this machine train the same models (few large tensors, many small ones, and
+a tiny one) on the same data four ways: lockstep with
 its default (native) reduction, torch DDP, lockstep with algorithm="shm", and no
 communication at all (each rank alone: the ceiling that sync efficiency is measured
 against). Every round runs the modes in a palindrome, ABBA-style, reversed every other
@@ -46,7 +47,14 @@ def deep_mlp() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-MODELS = {"6x1024 MLP": (wide_mlp, 1024), "24x256 MLP+LayerNorm": (deep_mlp, 256)}
+def tiny() -> nn.Module:
+    """(c) almost nothing to compute: one Linear 20 -> 1. A step is the fixed cost of the
+    wrapper and one collective's latency."""
+    return nn.Linear(20, 1)
+
+
+MODELS = {"6x1024 MLP": (wide_mlp, 1024), "24x256 MLP+LayerNorm": (deep_mlp, 256),
+          "Linear 20->1 (tiny)": (tiny, 20)}
 
 
 def make_step(model: nn.Module, x: torch.Tensor) -> Callable[[], None]:

@@ -11,13 +11,15 @@ job with an error naming the step, those ranks and the first parameter; `nonfini
 drops the step instead (every rank alike) and counts it.
 
 Two ways, one result. Where every element of a bucket arrives summed on every rank (an
-all-reduce: `Reduction.carries_flags`), each bucket is summed once as it launches and the
-flags ride at the end of the last bucket -- no collective of their own, no work per
-gradient (a tiny model's step is mostly collective latency; a second collective was a third
-of it). The parameters to name are then those whose averaged gradient is not finite: NaN
-and inf reach the average element by element. Elsewhere (ZeRO's reduce-scatter keeps only
-shards, a compressor changes the values) each gradient is summed as it arrives and the
-flags travel in a tiny all-reduce of their own, launched alongside the last buckets.
+all-reduce: `Reduction.carries_flags`), each bucket is summed once as it launches, and this
+rank's total rides in an element of its own at the end of the last bucket (the others add
+zero to it) -- no collective of its own, no work per gradient (a tiny model's step is
+mostly collective latency; a second collective was a third of it). A rank whose element
+comes back non-finite is flagged; the parameters to name are those whose averaged gradient
+is not finite: NaN and inf reach the average element by element. Elsewhere (ZeRO's
+reduce-scatter keeps only shards, a compressor changes the values) each gradient is summed
+as it arrives and the flags travel in a tiny all-reduce of their own, launched alongside
+the last buckets.
 
 While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
 agreed skip), so the check stands aside.
@@ -25,6 +27,7 @@ agreed skip), so the check stands aside.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,6 +58,7 @@ class FiniteCheck:
         check_mode(mode)
         self.mode, self.names, self.group = mode, list(names), group
         self.carried = carried and mode != "off"  # the flags ride in the last bucket
+        self._rank = comm.rank_of(group)
         self.backwards = 0        # synchronised backwards seen, for the step in messages
         self.skipped_steps = 0
         self._sums: list[tuple[int, torch.Tensor]] = []
@@ -75,13 +79,22 @@ class FiniteCheck:
             self._sums.append((index, grad.detach().sum()))
 
     def launching(self, gradients: torch.Tensor, flags: torch.Tensor | None) -> None:
-        """Carried: a bucket is about to launch -- sum its `gradients`; the last one (with
-        its `flags` elements) takes this rank's flag, everything having been summed."""
+        """Carried: a bucket is about to launch -- sum its `gradients`. The last one (with
+        its `flags` elements) carries this rank's sum of everything in this rank's own
+        element, which the others leave at zero: after the all-reduce, a rank whose
+        element is not finite had a non-finite gradient (or a sum that overflowed)."""
         if not self.carried:
             return
-        self._sums.append((-1, gradients.sum()))
-        if flags is not None:
-            self._flags = self._fill(flags.zero_())
+        if flags is None:  # an earlier bucket
+            self._sums.append((-1, gradients.sum()))
+            return
+        mine = flags.zero_()[self._rank]
+        torch.sum(gradients, dim=0, out=mine)
+        for _, earlier in self._sums:
+            mine.add_(earlier)
+        if precision.loss_scaling_pending():
+            flags[-1] = 1
+        self._sums, self._flags = [], flags
 
     def _fill(self, flags: torch.Tensor) -> torch.Tensor:
         size = comm.size_of(self.group)
@@ -124,7 +137,8 @@ class FiniteCheck:
         if exchange is not None:
             exchange.wait()
         *per_rank, scaling = flags.tolist()
-        bad_ranks = [r for r, flag in enumerate(per_rank) if flag > 0.5]  # (sent as floats)
+        bad_ranks = [r for r, v in enumerate(per_rank) if not math.isfinite(v)] if self.carried \
+            else [r for r, flag in enumerate(per_rank) if flag]
         if not bad_ranks or scaling > 0.5:
             return True
         if self.carried:  # the same averaged gradients on every rank: no collective

@@ -160,6 +160,9 @@ class DataParallel(nn.Module):
         return trainable(self.module)
 
     def _new_reducer(self) -> Reducer:
+        # (kept as a list: walking the module tree at every forward cost a deep model tens
+        # of microseconds a step)
+        self._watched_params = list(self.module.parameters())
         self._trainable_mask = requires_grad_mask(self.module)
         reducer = Reducer(self._reduced_params(), self.reduction, *self._bucket_bytes,
                           self._find_unused, self.group, self._nonfinite)
@@ -195,7 +198,9 @@ class DataParallel(nn.Module):
         return optimizer(self.parameters(), **kwargs)
 
     def _requires_grad_changed(self) -> bool:
-        return requires_grad_mask(self.module) != self._trainable_mask
+        return any(p.requires_grad != trains for p, trains in zip(self._watched_params,
+                                                                  self._trainable_mask,
+                                                                  strict=True))
 
     def _follow_requires_grad(self) -> None:
         """Parameters frozen or unfrozen since the reducer was built (a backbone unfrozen
