@@ -141,6 +141,15 @@ class Ledger:
         while self.in_flight and self.in_flight[0].complete():
             self.in_flight.popleft()
 
+    def failed(self, record: Record) -> None:
+        """`record`'s collective failed: it and whatever its group still has in flight
+        (issued after it: doomed with it) are explained by that error, not by warnings."""
+        with self._lock:
+            for other in self.in_flight:
+                if other.group == record.group:
+                    other.warned = 2
+        record.warned = 2
+
     def oldest_unfinished(self) -> Record | None:
         with self._lock:
             self._prune()

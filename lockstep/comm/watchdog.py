@@ -204,7 +204,7 @@ def explain(record: Record | None) -> Diagnosis | None:
     store = _store()
     if record is None or store is None or not ledger.enabled:
         return None
-    record.warned = 2  # the error says it; the thread need not warn as well
+    ledger.failed(record)  # the error says it; the thread need not warn as well
     waited = time.monotonic() - record.issued
     try:
         return diagnose(store, record, with_stacks=waited >= watchdog.stall_after)
