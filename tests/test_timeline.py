@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,18 @@ def test_the_trace_moves_each_rank_onto_rank_0s_clock() -> None:
              if e["name"] == "process_name"}
     assert names == {(0, "rank 0 (a, pid 1)"), (1, "rank 1 (b, pid 2)")}
     assert trace["otherData"]["clock_alignment_error_us"] == 40.0
+
+
+def test_ranks_are_named_by_the_host_the_job_gives_them(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """The emulated cluster's hosts share the machine's hostname: a 2-host trace named all
+    four ranks 'vm'. The launcher's LOCKSTEP_HOST names them, as the membership does."""
+    from lockstep.comm.topology import this_host
+
+    monkeypatch.setenv("LOCKSTEP_HOST", "1")
+    assert this_host() == "1"
+    monkeypatch.delenv("LOCKSTEP_HOST")
+    assert this_host() == socket.gethostname()
 
 
 def run_with_timeline(run_dir: str) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import time
 from collections import deque
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.comm import collectives as comm
+from lockstep.comm.topology import this_host
 
 ENV = "LOCKSTEP_TIMELINE"
 """`lockstep run --timeline PATH` sets it: a Trainer without `timeline=` records to PATH."""
@@ -150,7 +150,7 @@ def align_clocks(rounds: int = 9) -> tuple[list[int], int]:
 def write_merged(timeline: Timeline, offsets: list[int], error_ns: int) -> Path | None:
     """Gather every rank's kept spans to rank 0 and write the trace there (collective).
     Returns the path on rank 0, None elsewhere."""
-    mine = {"host": socket.gethostname(), "pid": os.getpid(),
+    mine = {"host": this_host(), "pid": os.getpid(),
             "steps": [(s.number, s.spans) for s in timeline.steps()]}
     everyone = comm.all_gather_object(mine, "timeline: gather every rank's spans")
     if comm.rank_of(None) != 0:

@@ -7,9 +7,17 @@ creates the groups, which every rank must do together and in the same order.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 from lockstep import comm
+
+
+def this_host() -> str:
+    """This process's host as the job names it: the launcher's LOCKSTEP_HOST (the emulated
+    cluster's hosts share one machine's hostname), else the hostname."""
+    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
 
 
 def host_of(rank: int, local_world_size: int) -> int:

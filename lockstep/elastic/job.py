@@ -42,13 +42,14 @@ from torch import nn
 
 from lockstep.comm import timeline
 from lockstep.comm.diagnostics import reporter
+from lockstep.comm.topology import this_host
 from lockstep.comm.world import World, current
 from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
 from lockstep.elastic.failures import first_line, forget_frames, membership_failure, still_held
 from lockstep.elastic.handover import hand_over
 from lockstep.elastic.membership import Membership, describe, install, report
 from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
-from lockstep.elastic.store import job_address, store_gone, this_host
+from lockstep.elastic.store import job_address, store_gone
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck

@@ -7,7 +7,6 @@ away. This module is the one place that connects to it and says, in words, when 
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -58,6 +57,3 @@ def job_address(address: str | None) -> str:
     return found
 
 
-def this_host() -> str:
-    """This worker's host as the job names it (the launcher's LOCKSTEP_HOST)."""
-    return os.environ.get("LOCKSTEP_HOST") or socket.gethostname()
