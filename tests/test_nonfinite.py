@@ -157,3 +157,33 @@ def test_the_flags_ride_in_the_last_bucket_where_every_element_is_summed(
     assert len(native) == 3 and all(label.startswith("gradient bucket 1/1") for label in native)
     shm = world2.run(collectives_per_step, "shm")[0]
     assert shm.count("exchange of non-finite gradient flags") == 3, shm
+
+
+def check_join_sees_a_nan_it_has_no_gradients_for() -> str:
+    """Uneven inputs under join(): rank 1 runs out after 2 batches and stands in for the
+    rest (zero_grad left it no gradients); rank 0's 4th batch holds a NaN."""
+    world = lockstep.init()
+    net = make_model("mlp")
+    model = lockstep.DataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    try:
+        with model.join():
+            for step in range(1, (4 if world.rank == 0 else 2) + 1):
+                x, y = batch("mlp", step * 2 + world.rank, 8)
+                if world.rank == 0 and step == 4:
+                    x[0, 0] = float("nan")
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    except NonFiniteGradientError as caught:
+        return str(caught)
+    return ""
+
+
+def test_a_joined_rank_stops_with_the_others_on_a_nan(world2: World) -> None:
+    """The joined rank cannot look at the averaged gradients (it holds none): it must stop
+    with the rank that can, not go on alone into the next handshake and wait out the
+    timeout (it did, once the flags rode in the last bucket)."""
+    for message in world2.run(check_join_sees_a_nan_it_has_no_gradients_for, deadline_s=120):
+        assert "non-finite gradient (NaN or inf) in the local gradients of rank(s) [0]" \
+            in message, message

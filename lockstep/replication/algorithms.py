@@ -30,10 +30,9 @@ from lockstep.replication.reduction import Bucket, Handle, Reduction
 
 class AllReduce(Reduction):
     """A reduction that sums a bucket's flat buffer in place: `all_reduce` is the one thing
-    a new algorithm says. Subclasses may also choose where buffers live. Every element of
-    the buffer is summed (the last bucket carries the ranks' non-finite flags)."""
-
-    carries_flags = True
+    a new algorithm says. Subclasses may also choose where buffers live. One that sums
+    every element of the buffer on every rank may say `carries_flags = True` (the ranks'
+    non-finite flags then ride in the last bucket: reduction.py)."""
 
     def start(self, bucket: Bucket) -> Handle:
         return self.all_reduce(bucket.flat, bucket.label)
@@ -52,6 +51,7 @@ class AllReduce(Reduction):
 
 class Native(AllReduce):
     name = "native"
+    carries_flags = True
 
     def __init__(self, group: comm.Group) -> None:
         self.group = group
@@ -169,6 +169,7 @@ class _PointToPoint(Threaded):
 
 class Ring(_PointToPoint):
     name = "ring"
+    carries_flags = True
 
     def reduce(self, flat: torch.Tensor, label: str) -> None:
         largest_chunk = -(-len(flat) // len(self.ranks))
@@ -218,6 +219,7 @@ def _pipelined_step(send: torch.Tensor, dst: int, arrive: torch.Tensor, src: int
 
 class Tree(_PointToPoint):
     name = "tree"
+    carries_flags = True
 
     def reduce(self, flat: torch.Tensor, label: str) -> None:
         n, me, ranks = len(self.ranks), self.me, self.ranks

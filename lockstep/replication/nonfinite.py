@@ -142,7 +142,14 @@ class FiniteCheck:
         if not bad_ranks or scaling > 0.5:
             return True
         if self.carried:  # the same averaged gradients on every rank: no collective
-            found = [i for i in range(len(self.names)) if averaged_finite([i]) is False]
+            everything = list(range(len(self.names)))
+            if averaged_finite(everything) is True:  # (one pass: an overflowed sum is the
+                return True                          # common false alarm)
+            # Those not finite; else those this rank cannot tell of (a joined rank holds no
+            # gradients): it must stop with the others, not go on alone.
+            checks = [averaged_finite([i]) for i in everything]
+            found = [i for i, c in enumerate(checks) if c is False] or \
+                [i for i, c in enumerate(checks) if c is None]
             suspects = [found if r in bad_ranks else [] for r in range(len(per_rank))]
         else:
             suspects = comm.all_gather_object(_flagged(sums), "naming the non-finite "

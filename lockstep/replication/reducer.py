@@ -334,6 +334,7 @@ class Reducer:
         self._armed = False
         self._in_backward = False
         self._next_launch = 0
+        self.finite.reset()  # (a backward that failed mid-launch left its buckets' sums)
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))
         for bucket in self.buckets:
