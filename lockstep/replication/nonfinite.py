@@ -61,7 +61,8 @@ class FiniteCheck:
         self._rank = comm.rank_of(group)
         self.backwards = 0        # synchronised backwards seen, for the step in messages
         self.skipped_steps = 0
-        self._sums: list[tuple[int, torch.Tensor]] = []
+        self._sums: list[tuple[int, torch.Tensor]] = []  # (parameter, its gradient's sum)
+        self._bucket_sums: list[torch.Tensor] = []  # carried: the launched buckets' sums
         self._flags: torch.Tensor | None = None
 
     @property
@@ -86,27 +87,19 @@ class FiniteCheck:
         if not self.carried:
             return
         if flags is None:  # an earlier bucket
-            self._sums.append((-1, gradients.sum()))
+            self._bucket_sums.append(gradients.sum())
             return
         mine = flags.zero_()[self._rank]
         torch.sum(gradients, dim=0, out=mine)
-        for _, earlier in self._sums:
+        for earlier in self._bucket_sums:
             mine.add_(earlier)
         if precision.loss_scaling_pending():
             flags[-1] = 1
-        self._sums, self._flags = [], flags
-
-    def _fill(self, flags: torch.Tensor) -> torch.Tensor:
-        size = comm.size_of(self.group)
-        if self._sums:
-            local = torch.stack([total for _, total in self._sums])
-            flags[comm.rank_of(self.group)] = (~torch.isfinite(local)).any().to(flags.dtype)
-        flags[size] = int(precision.loss_scaling_pending())
-        return flags
+        self._bucket_sums, self._flags = [], flags
 
     def reset(self) -> None:
         """Forget a backward that did not finish."""
-        self._sums = []
+        self._sums, self._bucket_sums = [], []
 
     def start(self) -> comm.Pending | None:
         """Launch the exchange of flags, once all of this backward's gradients were
@@ -116,8 +109,11 @@ class FiniteCheck:
         self.backwards += 1
         if self.mode == "off" or self.carried:
             return None
-        flags = self._fill(comm.control_tensor([0] * (comm.size_of(self.group) + 1),
-                                               self.group))
+        flags = comm.control_tensor([0] * (comm.size_of(self.group) + 1), self.group)
+        if self._sums:
+            local = torch.stack([total for _, total in self._sums])
+            flags[self._rank] = (~torch.isfinite(local)).any().to(flags.dtype)
+        flags[-1] = int(precision.loss_scaling_pending())
         self._flags = flags
         return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
                                      self.group)

@@ -94,7 +94,7 @@ class Bucket:
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        return self.flat.nbytes
 
     def carried(self) -> torch.Tensor:
         """The `extra` elements at the end of the buffer."""
@@ -148,7 +148,7 @@ class Reduction:
 
     def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
         """What this rank put on the wire in the step that just finished."""
-        return sum(b.flat.numel() * b.flat.element_size() for b in buckets)
+        return sum(b.nbytes for b in buckets)
 
     def drop_step(self, buckets: Sequence[Bucket]) -> None:
         """The step's gradients are not to be used (a non-finite one somewhere)."""

@@ -15,7 +15,6 @@ kill the process without a Python error.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -120,7 +119,6 @@ class Gatherer:
         group = self.groups[u]
         if group.gathered or group.pending is not None:
             return
-        group.pending_since_ns = time.time_ns()
         group.pending = group.start_gather(f"prefetch of parameter unit {u}", self.group)
 
     def reduced(self, u: int) -> None:

@@ -81,7 +81,7 @@ class FlatGroup:
     shard_grad: torch.Tensor = field(repr=False)   # the shard's averaged gradient
     gathered: bool = True
     pending: Any = None                             # an all-gather in flight (prefetch)
-    pending_since_ns: int = 0                       # ... launched then (for the timeline)
+    pending_since_ns: int = 0                       # the last gather's launch (timeline)
     mirror: slice | None = None                     # the next rank's shard, kept here too
     mirror_param: nn.Parameter | None = field(default=None, repr=False)
     mirror_grad: torch.Tensor | None = field(default=None, repr=False)
@@ -98,6 +98,7 @@ class FlatGroup:
         own shard is copied in first, so a gather left in flight never sees it stepped."""
         self.materialize()
         self.flat[self.shard].copy_(self.shard_param.detach())
+        self.pending_since_ns = time.time_ns()  # (a prefetch's span starts here)
         return comm.gather_shards_async(self.flat, what, process_group)
 
     def finish_prefetch(self) -> None:
@@ -107,8 +108,7 @@ class FlatGroup:
         self.gathered = True
         if (recording := timeline.active()) is not None:  # launched -> done, as seen here
             recording.add(f"prefetch of parameter unit {self.index}", self.pending_since_ns,
-                          time.time_ns(), "comm", bytes=self.flat.numel() *
-                          self.flat.element_size())
+                          time.time_ns(), "comm", bytes=self.flat.nbytes)
 
     def release(self) -> None:
         """Shrink the full buffer to nothing; the parameters stay views of it."""
@@ -210,7 +210,7 @@ class ShardedReduction(Reduction):
         gradient norm (and the optimizer) would otherwise see whatever memory held."""
         storage = bucket.flat.untyped_storage()
         if storage.nbytes() == 0:
-            storage.resize_(bucket.flat.numel() * bucket.flat.element_size())
+            storage.resize_(bucket.nbytes)
             bucket.flat[bucket.spec.numel:].zero_()
 
     def release(self, bucket: Bucket) -> None:
