@@ -93,7 +93,7 @@ LEVELS = {"lockstep.logs": 0, "lockstep.lazy": 0, "lockstep.optim": 0, "lockstep
           "lockstep.comm": 1, "lockstep.replication": 2, "lockstep.sharding": 3,
           "lockstep.lowcomm": 3, "lockstep.elastic": 4,
           "lockstep.training": 5,  # the one loop: survival (elastic) plugs into it
-          "lockstep.launch": 6,
+          "lockstep.launch": 6, "lockstep.integrations": 6,  # others' loops over ours
           "lockstep.tools": 6, "lockstep": 7, "lockstep.demo": 8, "lockstep.launch.cli": 9,
           "lockstep.launch.envreport": 9, "lockstep.testing": 10}
 

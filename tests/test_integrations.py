@@ -1,0 +1,64 @@
+"""lockstep where users already train: Lightning's loop over lockstep's wrapper gives what
+Lightning's own DDPStrategy gives (tests/lightning_job.py runs both in one 2-process job)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.dropin import worker_error
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
+
+
+@pytest.fixture(scope="module")
+def lightning_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("lightning", reason="Lightning is the [lightning] extra")
+    out = tmp_path_factory.mktemp("lightning") / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "lightning_job.py"), str(out)],
+                            cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, worker_error(result.stderr)
+    report: dict = json.loads(out.read_text())
+    return report
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("run", ["sync", "zero2", "zero3", "accumulate"])
+def test_lightning_strategy_takes_ddps_steps(lightning_report: dict, run: str) -> None:
+    """Per-step losses and final weights as DDPStrategy's, in float64 (Adam with a step
+    schedule; SGD with momentum for the accumulation), with lockstep's wrapper training."""
+    got = lightning_report[run]
+    assert got["steps"] == 62
+    assert got["wrapper"] == ("ShardedDataParallel" if run.startswith("zero") else "DataParallel")
+    assert got["optimizer"] == ("ZeroOptimizer" if run.startswith("zero") else
+                                "SGD" if run == "accumulate" else "AdamW")
+    assert got["loss_gap"] <= 1e-12 and got["weights_gap"] <= 1e-12, got
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("run", ["sync", "zero2", "zero3"])
+def test_lightning_checkpoint_is_ddps_checkpoint(lightning_report: dict, run: str) -> None:
+    """The optimizer state in the checkpoint is whole, as DDP's (ZeRO's shards assembled)."""
+    assert lightning_report[run]["optimizer_gap"] <= 1e-12
+
+
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("run", ["zero3_from_ddp", "sync_from_zero3"])
+def test_lightning_resumes_across_stages(lightning_report: dict, run: str) -> None:
+    """DDP's checkpoint resumed under ZeRO-3, and ZeRO-3's under plain sync, continue as DDP
+    resumed from its own does."""
+    got = lightning_report[run]
+    assert got["steps"] == 62 and got["loss_gap"] <= 1e-12 and got["weights_gap"] <= 1e-12, got
+
+
+@pytest.mark.timeout(360)
+def test_lightning_refuses_clipping_a_shard(lightning_report: dict) -> None:
+    assert "configure_gradient_clipping" in lightning_report["clip_refused"]
+    assert lightning_report["watchdog_world"] == 2  # lockstep.init() adopted Lightning's group
