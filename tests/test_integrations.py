@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,42 @@ def test_lightning_resumes_across_stages(lightning_report: dict, run: str) -> No
 def test_lightning_refuses_clipping_a_shard(lightning_report: dict) -> None:
     assert "configure_gradient_clipping" in lightning_report["clip_refused"]
     assert lightning_report["watchdog_world"] == 2  # lockstep.init() adopted Lightning's group
+
+
+# ---- Ray Train ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    """A real local Ray cluster: a head node and a worker node, one CPU each (so Ray Train
+    must place one worker on each)."""
+    pytest.importorskip("ray.train", reason="Ray Train is the [ray] extra")
+    from lockstep.tools.raycluster import local_ray_cluster
+
+    with local_ray_cluster(2) as address:
+        yield address
+
+
+def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, worker_error(result.stderr)
+    return result
+
+
+@pytest.mark.timeout(420)
+def test_ray_train_takes_the_steps_lockstep_run_takes(ray_cluster: str, tmp_path: Path) -> None:
+    """The same loop (examples/ray_train_mnist.py) under Ray Train on a 2-node cluster and
+    under `lockstep run -n 2`: the same per-step losses."""
+    example = str(ROOT / "examples" / "ray_train_mnist.py")
+    lockstep_run = str(Path(sys.executable).parent / "lockstep")
+    losses = {}
+    for name, command in [
+            ("ray", [sys.executable, example, "--ray", ray_cluster, "--steps", "25"]),
+            ("lockstep run", [lockstep_run, "run", "-n", "2", example, "--steps", "25"])]:
+        out = tmp_path / f"{name}.json"
+        run_example([*command, "--out", str(out)], tmp_path)
+        losses[name] = json.loads(out.read_text())["losses"]
+    assert len(losses["lockstep run"]) == 25
+    assert losses["ray"] == losses["lockstep run"]

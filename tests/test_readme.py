@@ -24,7 +24,7 @@ from lockstep.training import configfile
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-RUNNERS = r"(?:\w+=\S+ )*(?:\.venv/bin/)?(?:lockstep|python|torchrun|make|pip) "
+RUNNERS = r"(?:\w+=\S+ )*(?:\.venv/bin/)?(?:lockstep|python|torchrun|make|pip|ray) "
 NAMES = {"lockstep run", "lockstep cluster", "lockstep run --elastic"}
 """Spans in the prose that name a command without being one."""
 
@@ -158,6 +158,9 @@ def check_command(argv: list[str], monkeypatch: pytest.MonkeyPatch,
             named = re.fullmatch(r"\.(?:\[([\w,]+)\])?", local)
             assert named, local
             assert set((named.group(1) or "").split(",")) - {""} <= set(extras), local
+    elif program == "ray":  # parsed by Ray's own command line (click), not run
+        scripts = pytest.importorskip("ray.scripts.scripts", reason="Ray is the [ray] extra")
+        scripts.cli.commands[args[0]].make_context(f"ray {args[0]}", args[1:])
     else:
         raise AssertionError(f"no check for {shlex.join(argv)}")
 

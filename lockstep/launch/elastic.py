@@ -43,7 +43,7 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
     if problem is not None:
         print(f"lockstep run: {problem}", file=sys.stderr)
         return 2
-    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     lease: etcd.LauncherLease | None = None
     store: dist.Store
     try:
@@ -123,7 +123,7 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
