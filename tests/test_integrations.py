@@ -65,6 +65,40 @@ def test_lightning_refuses_clipping_a_shard(lightning_report: dict) -> None:
     assert lightning_report["watchdog_world"] == 2  # lockstep.init() adopted Lightning's group
 
 
+def run_example(args: list[str], cwd: Path, **env_vars: str
+                ) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS} | env_vars
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, worker_error(result.stderr)
+    return result
+
+
+# ---- Hugging Face Accelerate -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_accelerate_with_locksteps_wrapper_takes_ddps_steps(tmp_path: Path) -> None:
+    """examples/accelerate_mnist.py under torchrun, 2 processes: Accelerate's own DDP and
+    lockstep's wrapper (the model prepared with evaluation_mode=True) take the same steps,
+    with gradient accumulation and clipping."""
+    pytest.importorskip("accelerate", reason="Accelerate is the [accelerate] extra")
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    records = {}
+    for wrapper in ("ddp", "lockstep"):
+        out = tmp_path / f"{wrapper}.json"
+        run_example([torchrun, "--standalone", "--nproc-per-node", "2",
+                     str(ROOT / "examples" / "accelerate_mnist.py"), "--wrapper", wrapper,
+                     "--steps", "30", "--out", str(out)], tmp_path,
+                    ACCELERATE_USE_CPU="1")
+        records[wrapper] = json.loads(out.read_text())
+    assert records["ddp"]["processes"] == records["lockstep"]["processes"] == 2
+    assert records["lockstep"]["wrapper"] == "DataParallel"
+    assert records["ddp"]["wrapper"] == "DistributedDataParallel"
+    assert len(records["ddp"]["losses"]) == 30
+    assert records["lockstep"]["losses"] == records["ddp"]["losses"]
+
+
 # ---- Ray Train ----------------------------------------------------------------------------
 
 
@@ -77,14 +111,6 @@ def ray_cluster() -> Iterator[str]:
 
     with local_ray_cluster(2) as address:
         yield address
-
-
-def run_example(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=240)
-    assert result.returncode == 0, worker_error(result.stderr)
-    return result
 
 
 @pytest.mark.timeout(420)
