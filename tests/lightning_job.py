@@ -23,50 +23,61 @@ from lockstep.demo.data import mnist
 from lockstep.integrations.lightning import LockstepStrategy
 
 
-class Classifier(L.LightningModule):
-    def __init__(self, optimizer: str = "sgd") -> None:
-        super().__init__()
-        self.optimizer_name = optimizer
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(), nn.Linear(64, 10))
+def lightning_classes(pl: Any) -> tuple[Any, Any]:
+    """The module and the callback, for a Lightning package (`lightning` or
+    `pytorch_lightning`: each checks that what it is given is its own)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    class Classifier(pl.LightningModule):
+        def __init__(self, optimizer: str = "sgd") -> None:
+            super().__init__()
+            self.optimizer_name = optimizer
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(784, 64), nn.ReLU(),
+                                     nn.Linear(64, 10))
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
 
-    def configure_optimizers(self) -> Any:
-        if self.optimizer_name == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
-        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 20, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule,
-                                                         "interval": "step"}}
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self(x), y)
+
+        def configure_optimizers(self) -> Any:
+            if self.optimizer_name == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+            schedule = torch.optim.lr_scheduler.StepLR(optimizer, 20, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule,
+                                                             "interval": "step"}}
 
 
-class Losses(L.Callback):
-    """Rank 0's loss at every step, and what trained: the wrapper and the optimizer."""
+    class Losses(pl.Callback):
+        """Rank 0's loss at every step, and what trained: the wrapper and the optimizer."""
 
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.wrapper = self.optimizer = ""
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.wrapper = self.optimizer = ""
 
-    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.wrapper = type(trainer.strategy.model).__name__
-        self.optimizer = type(trainer.strategy.optimizers[0]).__name__
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            self.wrapper = type(trainer.strategy.model).__name__
+            self.optimizer = type(trainer.strategy.optimizers[0]).__name__
 
-    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
-        self.losses.append(float(outputs["loss"]))
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any,
+                               batch: Any, batch_idx: int) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    return Classifier, Losses
+
+
+Classifier, Losses = lightning_classes(L)
 
 
 def fit(strategy: Any, optimizer: str = "adamw", epochs: int = 1, accumulate: int = 1,
-        resume: str | None = None, save: str | None = None, **trainer_args: Any
-        ) -> tuple[Losses, Classifier]:
-    L.seed_everything(0, verbose=False)
-    model, losses = Classifier(optimizer), Losses()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true",
+        resume: str | None = None, save: str | None = None, pl: Any = L, **trainer_args: Any
+        ) -> tuple[Any, Any]:
+    pl.seed_everything(0, verbose=False)
+    module, callback = (Classifier, Losses) if pl is L else lightning_classes(pl)
+    model, losses = module(optimizer), callback()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true",
                         max_epochs=epochs, accumulate_grad_batches=accumulate,
                         callbacks=[losses], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, **trainer_args)
@@ -77,7 +88,7 @@ def fit(strategy: Any, optimizer: str = "adamw", epochs: int = 1, accumulate: in
     return losses, model
 
 
-def compare(run: tuple[Losses, Classifier], ddp: tuple[Losses, Classifier],
+def compare(run: tuple[Any, Any], ddp: tuple[Any, Any],
             skip: int = 0) -> dict[str, Any]:
     """How far a run is from DDP's: its losses (DDP's from step `skip` on) and weights."""
     (losses, model), (ddp_losses, ddp_model) = run, ddp
@@ -125,6 +136,12 @@ def main(out: str) -> None:
         fit(LockstepStrategy(PARALLEL["zero2"]), gradient_clip_val=1.0)
     except ValueError as e:
         report["clip_refused"] = str(e)
+    # The same strategy for the older `pytorch_lightning` package.
+    import pytorch_lightning
+
+    from lockstep.integrations.pytorch_lightning import LockstepStrategy as OldPackageStrategy
+    report["pytorch_lightning"] = compare(
+        fit(OldPackageStrategy(PARALLEL["zero2"]), pl=pytorch_lightning), ddp)
     report["watchdog_world"] = lockstep.init().world_size
     if torch.distributed.get_rank() == 0:
         _write(out, report, ckpt)

@@ -1,12 +1,13 @@
 """A real Ray cluster on this machine, for tests and audits: a head node and worker nodes,
 each started by Ray's own `ray start`, each with its CPUs counted out so that Ray Train
-must spread its workers over the nodes. Stopping it stops exactly what it started (each
-`ray start --block` takes its node's processes down when it is terminated) -- never
-`ray stop`, which would stop every Ray on the machine, a user's too.
+must spread its workers over the nodes. Stopping it kills exactly what it started, the nodes'
+processes and theirs -- never `ray stop`, which would stop every Ray on the machine, a
+user's too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lockstep.launch.elastic import free_port
 
@@ -38,10 +40,31 @@ def local_ray_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[str]:
             started.append(_node(ray, cpus_per_node, [f"--address=127.0.0.1:{port}"]))
         yield f"127.0.0.1:{port}"
     finally:
-        for node in reversed(started):
-            node.terminate()
-            node.wait(timeout=60)
+        _stop(started)
         shutil.rmtree(sessions, ignore_errors=True)
+
+
+def _stop(nodes: list[subprocess.Popen[str]]) -> None:
+    """Kill every process the nodes started -- their workers too, which Ray puts in sessions
+    of their own. (`ray start --block` stops its node on SIGTERM, but after ~30 s of drain.)
+    The tree is read whole first: a child whose parent died first would be lost to init."""
+    import psutil  # Ray's own dependency
+
+    tree = [p for node in nodes for p in _with_descendants(psutil, node.pid)]
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(tree, timeout=30)
+    for node in nodes:
+        node.wait(timeout=30)
+
+
+def _with_descendants(psutil: Any, pid: int) -> list[Any]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _node(ray: str, cpus: int, args: list[str]) -> subprocess.Popen[str]:
