@@ -153,12 +153,13 @@ class LockstepMixin(_DDPStrategy):
         return super().optimizer_state(optimizer)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not any(isinstance(o, ZeroOptimizer) for o in self.optimizers):
+            return super().load_optimizer_state_dict(checkpoint)  # (and onto the device)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"],
-                                    strict=True):
-            if isinstance(optimizer, ZeroOptimizer):
-                load_whole_state_dict(optimizer, self._whole_params[optimizer], state)
-            else:
-                optimizer.load_state_dict(state)
+                                    strict=True):  # shards land on their parameters' device
+            assert isinstance(optimizer, ZeroOptimizer)  # under ShardConfig, every one is
+            load_whole_state_dict(optimizer, self._whole_params[optimizer], state)
+        return None
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
