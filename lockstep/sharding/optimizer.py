@@ -141,6 +141,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stepped = True
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             self.gather_params("all-gather of the stepped parameters")
+        if self.stage == 1:
+            self._release_full_gradients()
+
+    def _release_full_gradients(self) -> None:
+        """Stage 1 keeps the whole averaged gradient from backward through the step (`.grad`
+        is DDP's, for clipping or inspection); once the step has taken its shard, the
+        gradient buckets give their memory back until the next backward refills them. So
+        between steps a rank holds the parameters and its shard of the optimizer state, as
+        DeepSpeed's stage 1 does -- not a full gradient besides."""
+        for g in self.groups:
+            g.shard_grad.untyped_storage().resize_(0)  # a view of its gradient bucket
+            g.shard_param.grad = None
+            if g.mirror_param is not None:
+                g.mirror_param.grad = None
+            for p in g.params:
+                p.grad = None
 
     def skipped(self) -> None:
         """A loss scaler skipped the step on every rank: the state is the step's result."""

@@ -54,7 +54,9 @@ def mirrored_shards() -> Iterator[None]:
 class ShardedDataParallel(DataParallel):
     """DataParallel with ZeRO stage 1 (optimizer state sharded), 2 (and gradients) or 3
     (and parameters). From stage 2 on, gradients live in the optimizer's shards, not in
-    `.grad`. Takes DataParallel's arguments except algorithm/compress/reduction.
+    `.grad`; at stage 1 `.grad` holds the whole averaged gradient from backward until the
+    optimizer's step, which frees it. Takes DataParallel's arguments except
+    algorithm/compress/reduction.
 
     Args:
         stage: 1, 2 or 3.

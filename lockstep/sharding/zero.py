@@ -3,7 +3,7 @@
 Per rank, with Adam in fp32, model state costs 16 bytes per parameter: 4 parameter, 4
 gradient, 8 optimizer state. ZeRO splits it over N ranks:
 
-    stage 1: optimizer state sharded          4 + 4 + 8/N
+    stage 1: optimizer state sharded          4 + 4 + 8/N   (4 + 8/N between steps)
     stage 2: ... and gradients                4 + (4 + 8)/N
     stage 3: ... and parameters                   16/N
 
@@ -14,7 +14,8 @@ shard of parameters); for stage 3 they are units of the model -- by default each
 that owns parameters, i.e. a layer.
 
 - Stage 1: gradients are all-reduced as usual; each rank steps its shard (the optimizer
-  only ever sees shards), then the shards are all-gathered back into the parameters.
+  only ever sees shards), then the shards are all-gathered back into the parameters and
+  the gradient buckets are freed until the next backward (optimizer.py).
 - Stage 2: each bucket is reduce-scattered as soon as it fills; its full gradient buffer is
   freed after, so no rank keeps the whole gradient.
 - Stage 3: parameters exist only as shards. A unit is all-gathered just before its forward
