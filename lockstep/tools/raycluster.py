@@ -1,6 +1,7 @@
 """A real Ray cluster on this machine, for tests and audits: a head node and worker nodes,
 each started by Ray's own `ray start`, each with its CPUs counted out so that Ray Train
-must spread its workers over the nodes. Stopping it kills exactly what it started, the nodes'
+must spread its workers over the nodes -- on loopback, or one node per host of the
+emulated cluster (tools/cluster.py). Stopping it kills exactly what it started, the nodes'
 processes and theirs -- never `ray stop`, which would stop every Ray on the machine, a
 user's too.
 """
@@ -20,25 +21,30 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.launch.elastic import free_port
+from lockstep.tools.cluster import Cluster
 
 
 @contextmanager
-def local_ray_cluster(nodes: int, cpus_per_node: int = 1) -> Iterator[str]:
-    """Start `nodes` Ray nodes (the first the head); yields the head's address. Their
-    sessions live in a folder of their own, short-named (Ray's socket paths must fit in
-    107 bytes), removed afterwards."""
+def local_ray_cluster(nodes: int, cpus_per_node: int = 1, hosts: Cluster | None = None
+                      ) -> Iterator[str]:
+    """Start `nodes` Ray nodes (the first the head); yields the head's address. With
+    `hosts` (an emulated cluster), node i runs on host i, at that host's address, and
+    reaches the others over the shaped links. Their sessions live in a folder of their
+    own, short-named (Ray's socket paths must fit in 107 bytes), removed afterwards."""
     ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     if ray is None:
         raise RuntimeError("the `ray` command is not installed: pip install 'lockstep[ray]'")
     port, sessions = free_port(), tempfile.mkdtemp(prefix="lsray")
+    head = f"{hosts.address(0) if hosts else '127.0.0.1'}:{port}"
     started: list[subprocess.Popen[str]] = []
     try:
-        started.append(_node(ray, cpus_per_node, ["--head", f"--port={port}",
-                                                  "--include-dashboard=false",
-                                                  f"--temp-dir={sessions}"]))
-        for _ in range(nodes - 1):
-            started.append(_node(ray, cpus_per_node, [f"--address=127.0.0.1:{port}"]))
-        yield f"127.0.0.1:{port}"
+        for i in range(nodes):
+            role = ["--head", f"--port={port}", "--include-dashboard=false"] if i == 0 \
+                else [f"--address={head}"]
+            where = [f"--node-ip-address={hosts.address(i)}"] if hosts else []
+            started.append(_node([ray, "start", "--block", f"--num-cpus={cpus_per_node}",
+                                  f"--temp-dir={sessions}/{i}", *role, *where], i, hosts))
+        yield head
     finally:
         _stop(started)
         shutil.rmtree(sessions, ignore_errors=True)
@@ -67,11 +73,12 @@ def _with_descendants(psutil: Any, pid: int) -> list[Any]:
         return []
 
 
-def _node(ray: str, cpus: int, args: list[str]) -> subprocess.Popen[str]:
+def _node(command: list[str], host: int, hosts: Cluster | None) -> subprocess.Popen[str]:
     """One node, ready once `ray start` says so (an event, not a sleep)."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    node = subprocess.Popen([ray, "start", "--block", f"--num-cpus={cpus}", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {"RAY_USAGE_STATS_ENABLED": "0"}
+    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    node = hosts.popen(host, command, extra_env=env, **pipes) if hosts else \
+        subprocess.Popen(command, env={**os.environ, **env}, text=True, **pipes)
     assert node.stdout is not None
     seen = []
     for line in node.stdout:  # its exit ends the loop
@@ -79,4 +86,4 @@ def _node(ray: str, cpus: int, args: list[str]) -> subprocess.Popen[str]:
         if "Ray runtime started" in line:  # what it prints later is read and dropped, so
             threading.Thread(target=node.stdout.read, daemon=True).start()  # it never blocks
             return node
-    raise RuntimeError(f"ray start {' '.join(args)} exited ({node.wait()}):\n{''.join(seen)}")
+    raise RuntimeError(f"{' '.join(command)} exited ({node.wait()}):\n{''.join(seen)}")
