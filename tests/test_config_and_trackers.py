@@ -82,7 +82,8 @@ def test_a_missing_optional_piece_is_reported_once(tmp_path: Path,
     assert not (tmp_path / "run0/tensorboard").exists()
 
 
-def test_the_png_has_four_titled_panels_and_the_config(tmp_path: Path) -> None:
+def test_the_png_has_its_titled_panels_and_the_config(tmp_path: Path) -> None:
+    """Four panels; six for a run that recorded a step timeline (its attribution)."""
     pytest.importorskip("matplotlib", reason="the PNG is matplotlib's; 'make setup' installs it")
     log = RunLog(tmp_path / "run", True, 20, 0, progress=False,
                  config={"global_batch_size": 64, "lr": 0.003, "seed": 0, "mode": "sync"},
@@ -97,6 +98,18 @@ def test_the_png_has_four_titled_panels_and_the_config(tmp_path: Path) -> None:
     assert plots.config_line(tmp_path / "run") == "global_batch_size=64, lr=0.003, seed=0"
     figure = plots.plot_run(tmp_path / "run")
     assert figure is not None and figure.stat().st_size > 20_000
+    assert plots.panel_titles(tmp_path / "run") == ["loss", "test accuracy", "learning rate",
+                                                    "throughput"]
+    with (tmp_path / "run" / "metrics.jsonl").open("a") as metrics:  # a run with a timeline
+        for step in (10, 20):
+            metrics.write(json.dumps({
+                "kind": "timeline", "step": step, "timeline_step_ms": 50.0 + step,
+                "timeline_hidden": 0.4, "timeline_slowest": 1, "timeline_behind": 0.25,
+                "timeline_cause": "its data loading"}) + "\n")
+    assert plots.panel_titles(tmp_path / "run")[4:] == ["step time",
+                                                        "communication and stragglers"]
+    small = figure.stat().st_size
+    assert plots.plot_run(tmp_path / "run") == figure and figure.stat().st_size > small
 
 
 def test_mlflow_logs_the_config_and_metrics_offline_to_a_file_store(

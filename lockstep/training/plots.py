@@ -1,13 +1,16 @@
 """training.png: one picture of a run from its metrics.jsonl and config.json.
 
-Four panels -- loss (train and test), test accuracy, learning rate, throughput -- under a
-title that names the run and its main settings, so a PNG passed around still says what it
-shows. Needs matplotlib; without it the plot is skipped and the user told once.
+Four panels -- loss (train and test), test accuracy, learning rate, throughput -- and, for
+a run with a step timeline, two of its attribution (step time; communication hidden and the
+slowest rank, named where it fell behind), under a title that names the run and its main
+settings, so a PNG passed around still says what it shows. Needs matplotlib; without it
+the plot is skipped and the user told once.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,17 +58,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     except ImportError:
         report_missing("training.png", "pip install matplotlib (or 'lockstep[plots]')")
         return None
-    records = last_per_step(read_metrics(run_dir))
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    _loss(axes[0][0], train, evals)
-    _accuracy(axes[0][1], evals)
-    _series(axes[1][0], train, "lr", "learning rate", "tab:purple")
-    _series(axes[1][1], train, "samples_per_s", "throughput (samples/s)", "tab:orange")
-    axes[1][0].set_ylim(bottom=0)  # a constant rate reads as constant, not as noise
-    axes[1][1].set_ylim(bottom=0)
-    for ax in axes.flat:
+    panels = _panels(last_per_step(read_metrics(run_dir)))
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows))
+    for ax, (_, draw) in zip(axes.flat, panels, strict=True):
+        draw(ax)
         ax.grid(alpha=0.3)
         ax.set_xlabel("step")
     name = f"{run_dir.parent.name}/{run_dir.name}" if run_dir.parent.name else run_dir.name
@@ -75,6 +72,53 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+Panel = tuple[str, Callable[[Any], None]]
+
+
+def _panels(records: list[dict[str, Any]]) -> list[Panel]:
+    """What the picture shows, in order: four panels, and two more for the step timeline's
+    attribution when the run recorded one (TrainConfig(timeline=...), lockstep run
+    --timeline)."""
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    timeline = [r for r in records if r["kind"] == "timeline"]
+    panels: list[Panel] = [
+        ("loss", lambda ax: _loss(ax, train, evals)),
+        ("test accuracy", lambda ax: _accuracy(ax, evals)),
+        ("learning rate", lambda ax: _series(ax, train, "lr", "learning rate", "tab:purple",
+                                             floor=True)),
+        ("throughput", lambda ax: _series(ax, train, "samples_per_s",
+                                          "throughput (samples/s)", "tab:orange", floor=True))]
+    if timeline:
+        panels += [("step time", lambda ax: _series(ax, timeline, "timeline_step_ms",
+                                                    "step time (ms), slowest rank", "tab:blue",
+                                                    floor=True)),
+                   ("communication and stragglers", lambda ax: _who_waited(ax, timeline))]
+    return panels
+
+
+def panel_titles(run_dir: Path) -> list[str]:
+    return [title for title, _ in _panels(last_per_step(read_metrics(run_dir)))]
+
+
+def _who_waited(ax: Any, timeline: list[dict[str, Any]]) -> None:
+    """The share of communication hidden behind backward, and how far the slowest rank's
+    own work was behind the others' -- with the rank and its cause where it passed 10%."""
+    steps = [r["step"] for r in timeline]
+    ax.plot(steps, [100 * r["timeline_hidden"] for r in timeline], color="tab:green",
+            lw=1, label="communication hidden behind backward (%)")
+    ax.plot(steps, [100 * r["timeline_behind"] for r in timeline], color="tab:red", lw=1,
+            label="slowest rank behind the others (%)")
+    for r in timeline:
+        if r["timeline_behind"] > 0.10:
+            ax.annotate(f"rank {r['timeline_slowest']}", (r["step"], 100 * r["timeline_behind"]),
+                        fontsize=7, color="tab:red")
+    last = timeline[-1]
+    ax.set_title(f"communication and stragglers\nlast window: rank {last['timeline_slowest']} "
+                 f"slowest ({last['timeline_cause']})", fontsize=10)
+    ax.legend(loc="lower left", fontsize=8)
 
 
 def _wrap(text: str, width: int = 130) -> str:
@@ -118,8 +162,11 @@ def _accuracy(ax: Any, evals: list[dict[str, Any]]) -> None:
     ax.text(0.98, 0.04, f"{accuracy:.4f} ({note})", transform=ax.transAxes, ha="right")
 
 
-def _series(ax: Any, train: list[dict[str, Any]], key: str, title: str, color: str) -> None:
-    points = [(r["step"], r[key]) for r in train if key in r]
+def _series(ax: Any, records: list[dict[str, Any]], key: str, title: str, color: str,
+            floor: bool = False) -> None:
+    points = [(r["step"], r[key]) for r in records if key in r]
     if points:
         ax.plot(*zip(*points, strict=True), color=color, lw=1)
     ax.set_title(title)
+    if floor:  # a constant rate reads as constant, not as noise
+        ax.set_ylim(bottom=0)
