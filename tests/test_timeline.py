@@ -243,18 +243,23 @@ class BurnOnRank1(nn.Module):
 def run_with_a_planted_straggler(run_dir: str, plant: str) -> list[dict[str, Any]]:
     train_set, test_set = digit_sets()
     model = make_model("mlp")
+    callbacks = []
     if plant == "data":
         train_set = SlowOnRank1(train_set)  # type: ignore[assignment]
-    else:
+    elif plant == "compute":
         model = BurnOnRank1(model)
-    trainer = lockstep.Trainer(model, sgd, train_set, test_set,
+    else:  # a user's callback that takes its time on rank 1, between the steps' phases
+        callbacks.append(lambda _: time.sleep(0.03) if torch.distributed.get_rank() == 1
+                         else None)
+    trainer = lockstep.Trainer(model, sgd, train_set, test_set, callbacks=callbacks,
                                config=config(run_dir, timeline=f"{run_dir}/t.json"))
     trainer.fit()
     return [r for r in read_metrics(Path(run_dir)) if r["kind"] in ("timeline", "straggler")]
 
 
-@pytest.mark.parametrize("plant, cause", [("data", "its data loading"),
-                                          ("compute", "its compute (forward)")])
+@pytest.mark.parametrize("plant, cause", [
+    ("data", "its data loading"), ("compute", "its compute (forward)"),
+    ("callback", "its own code between steps (callbacks, logging)")])
 def test_a_planted_straggler_is_named_with_its_cause_within_three_windows(
         world2: World, tmp_path: Path, plant: str, cause: str) -> None:
     records = world2.run(run_with_a_planted_straggler, str(tmp_path / plant), plant)[0]

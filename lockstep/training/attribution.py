@@ -23,10 +23,11 @@ from typing import Any
 
 from lockstep.comm.timeline import Timeline
 
-OWN_WORK = ("data", "forward", "compute in backward", "optimizer")
+OWN_WORK = ("data", "forward", "compute in backward", "optimizer", "between steps")
 """A rank's own work, each phase's excess over the others' naming why it was slow."""
 CAUSES = {"data": "its data loading", "forward": "its compute (forward)",
-          "compute in backward": "its compute (backward)", "optimizer": "its optimizer step"}
+          "compute in backward": "its compute (backward)", "optimizer": "its optimizer step",
+          "between steps": "its own code between steps (callbacks, logging)"}
 
 
 @dataclass
@@ -40,11 +41,13 @@ class RankWindow:
     wait: float = 0.0  # backward's end, waiting for communication
     optimizer: float = 0.0
     comm: float = 0.0  # the buckets' time in flight, launched to done (overlapping merged)
+    between: float = 0.0  # from one step's last span to the next one's first: the loop's own
 
     @property
     def own_work(self) -> dict[str, float]:
         return {"data": self.data, "forward": self.forward,
-                "compute in backward": self.backward - self.wait, "optimizer": self.optimizer}
+                "compute in backward": self.backward - self.wait, "optimizer": self.optimizer,
+                "between steps": self.between}
 
     @property
     def busy(self) -> float:
@@ -53,8 +56,10 @@ class RankWindow:
 
 def summarize(recording: Timeline, first: int, last: int) -> RankWindow:
     """This rank's spans of steps first..last, per step."""
-    steps = [s for s in recording.steps() if first <= s.number <= last]
+    steps = sorted((s for s in recording.steps() if first <= s.number <= last),
+                   key=lambda s: s.number)
     window = RankWindow(steps=len(steps))
+    window.between = _between(steps)
     for step in steps:
         in_flight = []
         for name, track, start, end, _ in step.spans:
@@ -67,9 +72,24 @@ def summarize(recording: Timeline, first: int, last: int) -> RankWindow:
                 setattr(window, name, getattr(window, name) + seconds)
         window.comm += _union(in_flight) / 1e9
     if steps:
-        for name in ("data", "forward", "backward", "wait", "optimizer", "comm"):
+        for name in ("data", "forward", "backward", "wait", "optimizer", "comm", "between"):
             setattr(window, name, getattr(window, name) / len(steps))
     return window
+
+
+def _between(steps: list[Any]) -> float:
+    """Seconds from each step's last span to the next step's first (consecutive steps): time
+    in none of the phases -- a user's callback, the loop's logging. A rank asleep in its
+    callback makes the others wait in their next backward; this is where it shows."""
+    total, previous = 0, None
+    for step in steps:
+        spans = [(start, end) for _, track, start, end, _ in step.spans if track != "comm"]
+        if not spans:
+            continue
+        if previous is not None and previous[0] + 1 == step.number:
+            total += max(0, min(start for start, _ in spans) - previous[1])
+        previous = (step.number, max(end for _, end in spans))
+    return total / 1e9
 
 
 def _union(intervals: list[tuple[int, int]]) -> int:
