@@ -46,6 +46,10 @@ def lightning_classes(pl: Any) -> tuple[Any, Any]:
                 return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
             optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
             schedule = torch.optim.lr_scheduler.StepLR(optimizer, 20, gamma=0.5)
+            if self.optimizer_name == "warmup":  # a chain: its inner schedulers step too
+                schedule = torch.optim.lr_scheduler.SequentialLR(
+                    optimizer, [torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, total_iters=10),
+                                schedule], milestones=[10])
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule,
                                                              "interval": "step"}}
 
@@ -71,11 +75,37 @@ def lightning_classes(pl: Any) -> tuple[Any, Any]:
 Classifier, Losses = lightning_classes(L)
 
 
+class TwoBackwards(L.LightningModule):
+    """Manual optimization, as a GAN's: two models, two backwards per training_step, each
+    touching one model only (DDP needs find_unused_parameters for it)."""
+
+    def __init__(self, optimizer: str = "") -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.a = nn.Sequential(nn.Flatten(), nn.Linear(784, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.b = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        total = torch.zeros(())
+        for model, optimizer in zip((self.a, self.b), self.optimizers(), strict=True):
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            total = total + loss.detach()
+        return {"loss": total}
+
+    def configure_optimizers(self) -> Any:
+        return [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (self.a, self.b)]
+
+
 def fit(strategy: Any, optimizer: str = "adamw", epochs: int = 1, accumulate: int = 1,
-        resume: str | None = None, save: str | None = None, pl: Any = L, **trainer_args: Any
-        ) -> tuple[Any, Any]:
+        resume: str | None = None, save: str | None = None, pl: Any = L,
+        module: Any = None, **trainer_args: Any) -> tuple[Any, Any]:
     pl.seed_everything(0, verbose=False)
-    module, callback = (Classifier, Losses) if pl is L else lightning_classes(pl)
+    classes, callback = (Classifier, Losses) if pl is L else lightning_classes(pl)
+    module = module or classes
     model, losses = module(optimizer), callback()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="64-true",
                         max_epochs=epochs, accumulate_grad_batches=accumulate,
@@ -132,6 +162,11 @@ def main(out: str) -> None:
     # Gradient accumulation (no_sync), SGD with momentum.
     report["accumulate"] = compare(fit("lockstep", "sgd", accumulate=2),  # (registered name)
                                    fit("ddp", "sgd", accumulate=2))
+    report["zero1_warmup"] = compare(fit(LockstepStrategy(lockstep.ShardConfig(stage=1)),
+                                         "warmup"), fit("ddp", "warmup"))
+    report["manual"] = compare(fit(LockstepStrategy(lockstep.SyncConfig(find_unused=True)),
+                                   module=TwoBackwards),
+                               fit("ddp_find_unused_parameters_true", module=TwoBackwards))
     try:
         fit(LockstepStrategy(PARALLEL["zero2"]), gradient_clip_val=1.0)
     except ValueError as e:

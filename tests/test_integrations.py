@@ -31,17 +31,19 @@ def lightning_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("run", ["sync", "zero2", "zero3", "accumulate", "pytorch_lightning"])
+@pytest.mark.parametrize("run", ["sync", "zero2", "zero3", "accumulate", "pytorch_lightning",
+                                 "zero1_warmup", "manual"])
 def test_lightning_strategy_takes_ddps_steps(lightning_report: dict, run: str) -> None:
     """Per-step losses and final weights as DDPStrategy's, in float64 (Adam with a step
-    schedule; SGD with momentum for the accumulation), with lockstep's wrapper training --
-    also from the older `pytorch_lightning` package (at ZeRO-2)."""
+    schedule, chained after a warm-up at ZeRO-1; SGD with momentum for the accumulation),
+    with lockstep's wrapper training -- also from the older `pytorch_lightning` package (at
+    ZeRO-2), and under manual optimization with two backwards per step (a GAN's pattern)."""
     got = lightning_report[run]
     assert got["steps"] == 62
     sharded = run.startswith("zero") or run == "pytorch_lightning"
     assert got["wrapper"] == ("ShardedDataParallel" if sharded else "DataParallel")
     assert got["optimizer"] == ("ZeroOptimizer" if sharded else
-                                "SGD" if run == "accumulate" else "AdamW")
+                                "SGD" if run in ("accumulate", "manual") else "AdamW")
     assert got["loss_gap"] <= 1e-12 and got["weights_gap"] <= 1e-12, got
 
 

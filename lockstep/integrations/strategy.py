@@ -19,6 +19,7 @@ DDPStrategy. Gradient clipping by norm needs the norm over every rank's shards: 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
 from datetime import timedelta
@@ -29,6 +30,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from lockstep.comm.world import import_what_binds_the_default_group, init
+from lockstep.replication.replica import DataParallel
 from lockstep.replication.sync import SyncConfig
 from lockstep.sharding.consolidate import load_whole_state_dict, whole_state_dict
 from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
@@ -73,13 +75,14 @@ class LockstepMixin(_DDPStrategy):
                 "keep state between steps (rounds, outer momentum) that Lightning's checkpoint "
                 "would not hold; use lockstep.Trainer for them")
         self.parallel.validate()
-        for name in set(kwargs) & set(_DDP_ARGUMENTS):
-            raise TypeError(f"LockstepStrategy takes lockstep's settings in parallel=, not "
-                            f"DDP's {name}=: use {type(self.parallel).__name__}"
-                            f"({_DDP_ARGUMENTS[name]})")
         super().__init__(timeout=timeout, **kwargs)
+        for name in self._ddp_kwargs:  # what DDPStrategy would hand torch's DDP
+            where = _DDP_ARGUMENTS.get(name, "...: see its fields")
+            raise TypeError(f"LockstepStrategy takes lockstep's settings in parallel=, not "
+                            f"DDP's {name}=: use {type(self.parallel).__name__}({where})")
         self._stall_after = stall_after
-        self._whole_params: dict[ZeroOptimizer, list[nn.Parameter]] = {}  # -> saved as
+        # each ZeRO optimizer -> the parameters, in order, its whole state dict is about
+        self._whole_params: dict[ZeroOptimizer, list[nn.Parameter]] = {}
 
     # ---- the process group and the wrapper ------------------------------------------------
 
@@ -89,12 +92,13 @@ class LockstepMixin(_DDPStrategy):
         init(timeout=self._timeout, stall_after=self._stall_after)  # adopts Lightning's group
 
     def setup(self, trainer: Trainer) -> None:
-        if isinstance(self.parallel, ShardConfig) and trainer.gradient_clip_val:
-            raise ValueError(
-                f"rank {self.global_rank}: gradient_clip_val clips by this rank's shard of "
-                "the gradient under ZeRO; clip by the global norm in your LightningModule: "
-                "def configure_gradient_clipping(self, optimizer, gradient_clip_val, "
-                "gradient_clip_algorithm): optimizer.clip_grad_norm_(gradient_clip_val)")
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's
+        if isinstance(self.parallel, ShardConfig):
+            _refuse_under_zero(self.global_rank, trainer.gradient_clip_val, scaled)
+        elif scaled and self.parallel.nonfinite == "error":
+            # torch's GradScaler skips the steps that overflow (fp16's common false alarm);
+            # the averaged gradient is the same on every rank, so they all skip alike
+            self.parallel = dataclasses.replace(self.parallel, nonfinite="off")
         super().setup(trainer)
 
     def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]
@@ -105,8 +109,13 @@ class LockstepMixin(_DDPStrategy):
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
+        self._whole_params = {}
         if isinstance(self.model, ShardedDataParallel):
-            self.optimizers = [self._over_shards(self.model, o) for o in self.optimizers]
+            if len(self.optimizers) != 1:
+                raise ValueError(f"rank {self.global_rank}: ZeRO shards one optimizer over "
+                                 f"every trainable parameter; configure_optimizers gave "
+                                 f"{len(self.optimizers)}")
+            self.optimizers = [self._over_shards(self.model, self.optimizers[0])]
 
     def _over_shards(self, model: ShardedDataParallel, optimizer: torch.optim.Optimizer
                      ) -> ZeroOptimizer:
@@ -116,13 +125,25 @@ class LockstepMixin(_DDPStrategy):
             raise ValueError(f"rank {self.global_rank}: ZeRO steps one parameter group; "
                              f"configure_optimizers gave {type(optimizer).__name__} with "
                              f"{len(optimizer.param_groups)}")
+        sharded_params = {p for g in model.zero_groups for p in g.params}
+        if set(optimizer.param_groups[0]["params"]) != sharded_params:
+            raise ValueError(f"rank {self.global_rank}: ZeRO steps every trainable parameter; "
+                             "this optimizer covers some only: give the others "
+                             "requires_grad_(False)")
         sharded = model.make_optimizer(type(optimizer), **_constructor_settings(optimizer))
         sharded.param_groups[0].update(numeric_settings(optimizer.param_groups[0]))
         self._whole_params[sharded] = list(optimizer.param_groups[0]["params"])
         for config in self.lr_scheduler_configs:
-            if config.scheduler.optimizer is optimizer:
-                _repoint(config.scheduler, sharded)
+            _repoint(config.scheduler, optimizer, sharded)
         return sharded
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        """Manual optimization backs up more than once per training_step (a GAN): each
+        backward is armed again, as DDPStrategy does for torch's DDP."""
+        module = self.lightning_module
+        if isinstance(self.model, DataParallel) and module is not None \
+                and not module.automatic_optimization:
+            self.model.prepare_for_backward(closure_loss)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
@@ -133,9 +154,12 @@ class LockstepMixin(_DDPStrategy):
 
     def teardown(self) -> None:
         if isinstance(self.model, Replica):  # the hooks go; stage 3 gives the parameters back
-            close = getattr(self.model, "close", None)
-            if close is not None:
-                close()
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if isinstance(self.model, ShardedDataParallel) and getattr(trainer, "interrupted",
+                                                                       False):
+                self.model.abandon()  # failed: the others may be mid-step, no collective
+            else:
+                getattr(self.model, "close", lambda: None)()
             self.model = self.lightning_module
         super().teardown()
 
@@ -174,9 +198,27 @@ def _constructor_settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in takes}
 
 
-def _repoint(scheduler: Any, optimizer: ZeroOptimizer) -> None:
-    """Point a torch LR scheduler at `optimizer`, counting its steps as the scheduler's own
+def _refuse_under_zero(rank: int, clip_value: Any, scaled: bool) -> None:
+    if clip_value:
+        raise ValueError(
+            f"rank {rank}: gradient_clip_val would clip each rank's shard of the gradient by "
+            "its own norm under ZeRO; clip by the global norm in your LightningModule instead "
+            "(Trainer without gradient_clip_val): def configure_gradient_clipping(self, "
+            "optimizer, *args): optimizer.clip_grad_norm_(1.0)")
+    if scaled:
+        raise ValueError(
+            f"rank {rank}: fp16's GradScaler decides to skip a step from this rank's shard "
+            "alone under ZeRO, so ranks could disagree; use precision='bf16-mixed'")
+
+
+def _repoint(scheduler: Any, old: torch.optim.Optimizer, optimizer: ZeroOptimizer) -> None:
+    """Point a torch LR scheduler that drives `old` at `optimizer` -- and the schedulers it
+    chains (SequentialLR, ChainedScheduler) -- counting its steps as the scheduler's own
     wrapper does (else the scheduler warns that it ran before any optimizer step)."""
+    for inner in getattr(scheduler, "_schedulers", ()):
+        _repoint(inner, old, optimizer)
+    if scheduler.optimizer is not old:
+        return
     scheduler.optimizer = optimizer
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # a second scheduler
         return

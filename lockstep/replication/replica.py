@@ -257,6 +257,14 @@ class DataParallel(nn.Module):
         self.sync_buffers(sync)
         reporter.advance()
 
+    def prepare_for_backward(self, output: Any) -> None:
+        """Arm one more synchronised backward, from `output`, without a forward through the
+        wrapper -- DDP's `reducer.prepare_for_backward`, which Lightning's manual
+        optimization calls before each `manual_backward` (a GAN backs up twice from one
+        training_step: the second backward must be averaged too)."""
+        self.reducer.prepare_forward(self.require_backward_grad_sync)
+        self.reducer.watch_outputs(output)
+
     def sync_buffers(self, sync: bool) -> None:
         """Broadcast buffers before a forward that follows a synchronised one (DDP's rule:
         inside a no_sync window each rank keeps its own statistics until the window's

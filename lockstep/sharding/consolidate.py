@@ -25,8 +25,8 @@ def whole_state_dict(optimizer: ZeroOptimizer, params: list[nn.Parameter]) -> di
     """The state dict of the unsharded optimizer over `params` (every rank gets it)."""
     index = {id(p): i for i, p in enumerate(params)}
     state: dict[int, dict[str, Any]] = {}
-    for g in optimizer.groups:
-        for key, value in optimizer.inner.state.get(g.shard_param, {}).items():
+    for g in optimizer.groups:  # keys in one order on every rank: each gather is collective
+        for key, value in sorted(optimizer.inner.state.get(g.shard_param, {}).items()):
             whole = _gathered(g, value, key, optimizer.group) \
                 if elementwise(value, g.shard_param) else None
             for name, param, offset in zip(g.names, g.params, g.offsets, strict=True):
@@ -54,7 +54,7 @@ def load_whole_state_dict(optimizer: ZeroOptimizer, params: list[nn.Parameter],
                         strict=True))
     for g in optimizer.groups:
         per_param = [states.get(position.get(id(p), -1), {}) for p in g.params]
-        keys = {key for s in per_param for key in s}
+        keys = sorted({key for s in per_param for key in s})
         shard_state = optimizer.inner.state[g.shard_param]
         for key in keys:
             shard_state[key] = _sharded(g, [s.get(key) for s in per_param])
@@ -73,16 +73,16 @@ def _gathered(g: FlatGroup, shard_value: torch.Tensor, key: str, group: comm.Gro
 
 def _sharded(g: FlatGroup, values: list[Any]) -> Any:
     """This rank's shard of one state, from each parameter's whole value (None where a
-    parameter has none yet: zeros, as the optimizer would start it)."""
-    per_element = [isinstance(v, torch.Tensor) and elementwise(v, p)
-                   for v, p in zip(values, g.params, strict=True)]
-    if not any(per_element):  # one value shared by every parameter (Adam's step)
-        return _copy(next(v for v in values if v is not None))
-    first = next(v for v, e in zip(values, per_element, strict=True) if e)
-    whole = first.new_zeros(g.padded_numel, device=g.shard_param.device)
-    for value, offset, is_elementwise in zip(values, g.offsets, per_element, strict=True):
-        if is_elementwise:
-            whole[offset:offset + value.numel()].copy_(value.reshape(-1))
+    parameter has none yet: zeros, as the optimizer would start it). A state is per element
+    if it is for some parameter of more than one element; then a one-element parameter's
+    (a learned temperature's momentum, shape []) is too."""
+    if not any(isinstance(v, torch.Tensor) and elementwise(v, p)
+               for v, p in zip(values, g.params, strict=True)):
+        return _copy(next(v for v in values if v is not None))  # shared (Adam's step)
+    whole = torch.zeros(g.padded_numel, dtype=g.shard_param.dtype, device=g.shard_param.device)
+    for value, param, offset in zip(values, g.params, g.offsets, strict=True):
+        if isinstance(value, torch.Tensor) and value.numel() == param.numel():
+            whole[offset:offset + param.numel()].copy_(value.reshape(-1))
     return whole[g.shard].clone()
 
 

@@ -152,8 +152,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         DeepSpeed's stage 1 does -- not a full gradient besides."""
         for g in self.groups:
             g.shard_grad.untyped_storage().resize_(0)  # a view of its gradient bucket
+            # No view of the freed memory may stay reachable (reading one crashes the
+            # process): until the next backward, the shards' gradients are empty, as after
+            # zero_grad -- a clip_grad_norm_ now finds nothing to clip.
+            g.shard_grad = g.shard_grad.new_zeros(0)
             g.shard_param.grad = None
             if g.mirror_param is not None:
+                g.mirror_grad = g.shard_grad
                 g.mirror_param.grad = None
             for p in g.params:
                 p.grad = None

@@ -23,6 +23,8 @@ from typing import Any
 from lockstep.launch.elastic import free_port
 from lockstep.tools.cluster import Cluster
 
+READY_WITHIN_S = 120
+
 
 @contextmanager
 def local_ray_cluster(nodes: int, cpus_per_node: int = 1, hosts: Cluster | None = None
@@ -62,7 +64,8 @@ def _stop(nodes: list[subprocess.Popen[str]]) -> None:
             process.kill()
     psutil.wait_procs(tree, timeout=30)
     for node in nodes:
-        node.wait(timeout=30)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # (never hide why we stop)
+            node.wait(timeout=30)
 
 
 def _with_descendants(psutil: Any, pid: int) -> list[Any]:
@@ -80,10 +83,17 @@ def _node(command: list[str], host: int, hosts: Cluster | None) -> subprocess.Po
     node = hosts.popen(host, command, extra_env=env, **pipes) if hosts else \
         subprocess.Popen(command, env={**os.environ, **env}, text=True, **pipes)
     assert node.stdout is not None
+    give_up = threading.Timer(READY_WITHIN_S, node.kill)  # a node that never says it is up
+    give_up.start()
     seen = []
-    for line in node.stdout:  # its exit ends the loop
-        seen.append(line)
-        if "Ray runtime started" in line:  # what it prints later is read and dropped, so
-            threading.Thread(target=node.stdout.read, daemon=True).start()  # it never blocks
-            return node
-    raise RuntimeError(f"{' '.join(command)} exited ({node.wait()}):\n{''.join(seen)}")
+    try:
+        for line in node.stdout:  # its exit (or the timer's kill) ends the loop
+            seen.append(line)
+            if "Ray runtime started" in line:  # what it prints later is read and dropped,
+                threading.Thread(target=node.stdout.read, daemon=True).start()  # unblocked
+                return node
+    finally:
+        give_up.cancel()
+    _stop([node])  # what it started before failing goes too
+    raise RuntimeError(f"{' '.join(command)} did not start within {READY_WITHIN_S}s or "
+                       f"exited ({node.poll()}):\n{''.join(seen)}")
