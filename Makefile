@@ -2,7 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt
+# --no-compile: pip would byte-compile every module of every package (torch alone: 17 s of
+# its 24 s install here); Python compiles the few a run imports when it first imports them.
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -c constraints.txt
 READY := $(VENV)/.ready
 
 .PHONY: setup test test-ray lint etcd demo bench clean

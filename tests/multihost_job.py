@@ -1,7 +1,9 @@
 """Training job for the multi-host test: each rank trains on its slice of every global batch
-and rank 0 saves the final weights. Run on every emulated host with `lockstep run`.
+and rank 0 saves the final weights -- once per algorithm, a fresh model each time, in one
+launch (starting 4 workers on 2 emulated hosts is most of the cost). Run on every emulated
+host with `lockstep run`.
 
-    multihost_job.py OUT_FILE ALGORITHM
+    multihost_job.py OUT_PREFIX ALGORITHM[,ALGORITHM...]     # writes OUT_PREFIX.ALGORITHM.pt
 """
 
 import sys
@@ -26,9 +28,8 @@ def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(digits.target)[order[:size]]
 
 
-def main() -> None:
-    out, algorithm = sys.argv[1], sys.argv[2]
-    world = lockstep.init()
+def train(algorithm: str) -> torch.nn.Module:
+    world = lockstep.init()  # (already made: the same world)
     net = model()
     dp = lockstep.DataParallel(net, algorithm=algorithm)
     opt = torch.optim.SGD(dp.parameters(), lr=0.1, momentum=0.9)
@@ -38,8 +39,18 @@ def main() -> None:
         opt.zero_grad()
         torch.nn.functional.cross_entropy(dp(x[mine]), y[mine]).backward()
         opt.step()
+    dp.close()
+    return net
+
+
+def main() -> None:
+    out, algorithms = sys.argv[1], sys.argv[2].split(",")
+    world = lockstep.init()
+    for algorithm in algorithms:
+        net = train(algorithm)
+        if world.is_main:
+            torch.save(net.state_dict(), f"{out}.{algorithm}.pt")
     if world.is_main:
-        torch.save(net.state_dict(), out)
         print(f"trained on {world.world_size} ranks, {world.num_hosts} hosts", flush=True)
 
 
