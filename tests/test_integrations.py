@@ -81,6 +81,7 @@ def run_example(args: list[str], cwd: Path, **env_vars: str
 # ---- Hugging Face Accelerate -----------------------------------------------------------------
 
 
+@pytest.mark.extra
 @pytest.mark.timeout(300)
 def test_accelerate_with_locksteps_wrapper_takes_ddps_steps(tmp_path: Path) -> None:
     """examples/accelerate_mnist.py under torchrun, 2 processes: Accelerate's own DDP and
@@ -117,6 +118,7 @@ def ray_cluster() -> Iterator[str]:
         yield address
 
 
+@pytest.mark.extra
 @pytest.mark.timeout(420)
 def test_ray_train_takes_the_steps_lockstep_run_takes(ray_cluster: str, tmp_path: Path) -> None:
     """The same loop (examples/ray_train_mnist.py) under Ray Train on a 2-node cluster and
