@@ -13,7 +13,6 @@ is faster), for each model.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Any
@@ -36,8 +35,6 @@ def mlp() -> nn.Module:
 
 
 MODELS = {"MNIST CNN": small_cnn, "MLP 784-512-512-10": mlp}
-if os.environ.get("ONLY"):
-    MODELS = {k: v for k, v in MODELS.items() if k.startswith(os.environ["ONLY"])}
 
 
 class Classifier(L.LightningModule):

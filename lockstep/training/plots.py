@@ -87,14 +87,12 @@ def _panels(records: list[dict[str, Any]]) -> list[Panel]:
     panels: list[Panel] = [
         ("loss", lambda ax: _loss(ax, train, evals)),
         ("test accuracy", lambda ax: _accuracy(ax, evals)),
-        ("learning rate", lambda ax: _series(ax, train, "lr", "learning rate", "tab:purple",
-                                             floor=True)),
+        ("learning rate", lambda ax: _series(ax, train, "lr", "learning rate", "tab:purple")),
         ("throughput", lambda ax: _series(ax, train, "samples_per_s",
-                                          "throughput (samples/s)", "tab:orange", floor=True))]
+                                          "throughput (samples/s)", "tab:orange"))]
     if timeline:
         panels += [("step time", lambda ax: _series(ax, timeline, "timeline_step_ms",
-                                                    "step time (ms), slowest rank", "tab:blue",
-                                                    floor=True)),
+                                                    "step time (ms), slowest rank", "tab:blue")),
                    ("communication and stragglers", lambda ax: _who_waited(ax, timeline))]
     return panels
 
@@ -162,11 +160,10 @@ def _accuracy(ax: Any, evals: list[dict[str, Any]]) -> None:
     ax.text(0.98, 0.04, f"{accuracy:.4f} ({note})", transform=ax.transAxes, ha="right")
 
 
-def _series(ax: Any, records: list[dict[str, Any]], key: str, title: str, color: str,
-            floor: bool = False) -> None:
+def _series(ax: Any, records: list[dict[str, Any]], key: str, title: str, color: str) -> None:
+    """A rate over the steps, from zero: a constant one reads as constant, not as noise."""
     points = [(r["step"], r[key]) for r in records if key in r]
     if points:
         ax.plot(*zip(*points, strict=True), color=color, lw=1)
     ax.set_title(title)
-    if floor:  # a constant rate reads as constant, not as noise
-        ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0)
