@@ -26,10 +26,10 @@ import sys
 from pathlib import Path
 
 import lockstep
+from lockstep.advisor import costmodel
 from lockstep.comm.topology import Topology
 from lockstep.launch.run import LaunchSpec, run
 from lockstep.replication.choices import make_algorithm
-from lockstep.tools import costmodel
 from lockstep.tools.bench import run_on_cluster
 from lockstep.tools.cluster import cluster_available
 

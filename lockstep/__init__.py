@@ -25,6 +25,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
+    from lockstep.advisor.advise import Advice, advise
     from lockstep.comm import CollectiveError
     from lockstep.comm.timeline import record_timeline
     from lockstep.comm.world import World, init
@@ -64,6 +65,7 @@ __version__ = "0.1.0"
 # lockstep` -- and the `lockstep` command -- costs nothing until a name is needed: asking
 # `lockstep run` about a missing script does not wait for torch to import.
 _WHERE = {
+    "Advice": "lockstep.advisor.advise",
     "AllReduce": "lockstep.replication.algorithms",
     "AsyncConfig": "lockstep.lowcomm.paramserver",
     "AsyncTrainer": "lockstep.training.async_trainer",
@@ -100,6 +102,7 @@ _WHERE = {
     "Trainer": "lockstep.training.trainer",
     "UnusedParameterError": "lockstep.replication.reducer",
     "World": "lockstep.comm.world",
+    "advise": "lockstep.advisor.advise",
     "convert_sync_batchnorm": "lockstep.replication.syncbn",
     "export_weights": "lockstep.training.export",
     "fingerprint": "lockstep.training.checkpoint",
@@ -112,8 +115,8 @@ _WHERE = {
     "shard": "lockstep.sharding.sharded",
     "ZeroOptimizer": "lockstep.sharding.optimizer",
 }
-_SUBPACKAGES = ("comm", "demo", "elastic", "launch", "lowcomm", "replication", "sharding",
-                "tools", "training")
+_SUBPACKAGES = ("advisor", "comm", "demo", "elastic", "launch", "lowcomm", "replication",
+                "sharding", "tools", "training")
 
 
 def __getattr__(name: str) -> Any:
@@ -133,6 +136,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "LAMB",
     "LARS",
+    "Advice",
     "AllReduce",
     "AsyncConfig",
     "AsyncTrainer",
@@ -168,6 +172,7 @@ __all__ = [
     "UnusedParameterError",
     "World",
     "ZeroOptimizer",
+    "advise",
     "convert_sync_batchnorm",
     "export_weights",
     "fingerprint",

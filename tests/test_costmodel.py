@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 import lockstep
+from lockstep.advisor import costmodel
+from lockstep.advisor.costmodel import HostCost, LinkCost
 from lockstep.comm.topology import Topology
 from lockstep.testing import World
-from lockstep.tools import costmodel
-from lockstep.tools.costmodel import HostCost, LinkCost
 
 # Round numbers so the expected times can be written out by hand.
 LINK = LinkCost(alpha=1e-4, beta=1e-9, gamma=1e-10, beta_one_way=5e-10)

@@ -85,13 +85,14 @@ def test_modules_and_functions_stay_small() -> None:
 
 
 # Each subpackage's place in the one direction dependencies run: communication <-
-# replication <- sharding / low-communication <- training / elastic <- launch and tools <-
-# the public package <- the demo <- the command line (which dispatches to all of them).
+# replication <- sharding / low-communication <- elastic / advisor <- training <- launch
+# and tools <- the public package <- the demo <- the command line (which dispatches to all of them).
 # Siblings at one level stay apart; the leaf utilities (logs, lazy, optim, seeding) sit
 # below everything, the test harness on top.
 LEVELS = {"lockstep.logs": 0, "lockstep.lazy": 0, "lockstep.optim": 0, "lockstep.seeding": 0,
           "lockstep.comm": 1, "lockstep.replication": 2, "lockstep.sharding": 3,
           "lockstep.lowcomm": 3, "lockstep.elastic": 4,
+          "lockstep.advisor": 4,  # predictions of every mode, which the Trainer can ask for
           "lockstep.training": 5,  # the one loop: survival (elastic) plugs into it
           "lockstep.launch": 6, "lockstep.integrations": 6,  # others' loops over ours
           "lockstep.tools": 6, "lockstep": 7, "lockstep.demo": 8, "lockstep.launch.cli": 9,

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,12 +50,8 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
-             ) -> argparse.ArgumentParser:
-    p = commands.add_parser("run", help="launch N workers of a script (torchrun-compatible)",
-                            description="Launch workers with the torchrun environment. On one "
-                            "host: `lockstep run -n 4 train.py --lr 0.1`. Across hosts, run "
-                            "the same command on each with --nnodes and --rdzv-endpoint.")
+def _add_launch(p: argparse.ArgumentParser) -> None:
+    """The options `run` and `advise` share: where the workers go."""
     p.add_argument("-n", "--nproc-per-node", type=_workers, default=1, dest="nproc",
                    help="workers on this host (default 1)")
     p.add_argument("--nnodes", type=_nnodes, default="1",
@@ -71,6 +68,21 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="job id shared by all hosts (default 'lockstep')")
     p.add_argument("--local-addr", default=None,
                    help="this host's address as the other hosts reach it")
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--module", action="store_true", help="target is a module")
+    p.add_argument("target", help="script path (or module name with -m)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
+             ) -> argparse.ArgumentParser:
+    p = commands.add_parser("run", help="launch N workers of a script (torchrun-compatible)",
+                            description="Launch workers with the torchrun environment. On one "
+                            "host: `lockstep run -n 4 train.py --lr 0.1`. Across hosts, run "
+                            "the same command on each with --nnodes and --rdzv-endpoint.")
+    _add_launch(p)
     p.add_argument("--max-restarts", type=_non_negative, default=0,
                    help="restart all workers up to this many times after a failure "
                    "(default 0); a Trainer script resumes from its last checkpoint")
@@ -81,9 +93,23 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]
                    help="record where each step's time goes on every worker (a Trainer "
                    "script) and write one trace of all of them to PATH, for "
                    "ui.perfetto.dev or chrome://tracing")
-    p.add_argument("-m", "--module", action="store_true", help="target is a module")
-    p.add_argument("target", help="script path (or module name with -m)")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    _add_target(p)
+    return p
+
+
+def _add_advise(commands: argparse._SubParsersAction[argparse.ArgumentParser]
+                ) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "advise", help="predict each training mode's step time for a Trainer script, "
+        "launched as `run` would, and recommend one",
+        description="Launch the workers as `lockstep run` would; a Trainer script's fit() "
+        "then measures the model and the links for a few seconds, predicts every mode (sync "
+        "with each algorithm and compression, ZeRO 1-3, local SGD, DiLoCo) and prints the "
+        "table and a recommendation instead of training.")
+    _add_launch(p)
+    p.add_argument("--json", default="", metavar="PATH",
+                   help="also write the advice to PATH as JSON")
+    _add_target(p)
     return p
 
 
@@ -101,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"lockstep {lockstep.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = _add_run(commands)
+    advise_parser = _add_advise(commands)
     commands.add_parser("demo", help="train a small CNN on real MNIST, 1 then 2 workers")
     commands.add_parser("cluster", help="run a command on each host of an emulated cluster "
                         "(network namespaces with rate-limited links; needs root)")
@@ -111,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         from lockstep.launch import envreport
 
         return envreport.main()
+    chosen = run_parser if args.command == "run" else advise_parser
     if args.nnodes not in ("1", "1:1") and args.rdzv_endpoint is None:
-        run_parser.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
-                         "of the job, the same on every host)")
+        chosen.error(f"--nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT (one host "
+                     "of the job, the same on every host)")
+    if args.command == "advise":
+        return _advise(args)
     if (args.rdzv_endpoint or "").startswith(etcd.SCHEME) and not args.elastic:
         run_parser.error("an etcd:// endpoint holds a fault-tolerant job's store: add --elastic")
     launch = run
@@ -121,13 +151,36 @@ def main(argv: list[str] | None = None) -> int:
         from lockstep.launch.elastic import run_elastic as launch
     trace = Path(args.timeline).resolve() if args.timeline else None
     with _environment(timeline.ENV, str(trace) if trace else None):
-        code = launch(LaunchSpec(
-            nproc=args.nproc, target=args.target, args=args.args, module=args.module,
-            nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-            rdzv_id=args.rdzv_id, local_addr=args.local_addr, max_restarts=args.max_restarts))
+        code = launch(_spec(args, args.max_restarts))
     if code == 0 and trace is not None and not trace.exists():
         print(f"lockstep run: no timeline was written to {trace}: the Trainer records one; "
               "a script with its own loop does not", file=sys.stderr)
+    return code
+
+
+def _spec(args: argparse.Namespace, max_restarts: int = 0) -> LaunchSpec:
+    return LaunchSpec(nproc=args.nproc, target=args.target, args=args.args,
+                      module=args.module, nnodes=args.nnodes, node_rank=args.node_rank,
+                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                      local_addr=args.local_addr, max_restarts=max_restarts)
+
+
+def _advise(args: argparse.Namespace) -> int:
+    """Launch the workers with the advisor asked for; say so if none answered (a script
+    that never builds a Trainer). The advice goes to --json, or to a file of our own that
+    only tells whether it came."""
+    from lockstep.advisor.advise import ENV
+
+    with tempfile.TemporaryDirectory(prefix="lockstep-advise-") as scratch:
+        target = Path(args.json).resolve() if args.json else Path(scratch) / "advice.json"
+        with _environment(ENV, str(target)):
+            code = run(_spec(args))
+        holds_rank_0 = args.nnodes in ("1", "1:1") or args.node_rank == 0
+        if code == 0 and holds_rank_0 and not target.exists():
+            print("lockstep advise: no advice came back: a Trainer script's fit() measures "
+                  "and predicts; a script with its own loop calls lockstep.advise(model, "
+                  "batches, optimizer) on every rank", file=sys.stderr)
+            return 1
     return code
 
 

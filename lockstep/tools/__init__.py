@@ -1,5 +1,5 @@
-"""Tools beside the training path: the emulated cluster (cluster.py), the cost model
-(costmodel.py) and the benchmarks' helpers (bench.py)."""
+"""Tools beside the training path: the emulated cluster (cluster.py), etcd members, a real
+Ray cluster, and the benchmarks' helpers (bench.py)."""
 
 from lockstep.lazy import submodules_on_demand
 

@@ -41,11 +41,11 @@ def time_modes(steps_by_mode: dict[str, Callable[[], None]], rounds: int, steps:
 
 
 def run_on_cluster(bandwidth: str, nproc: int, script: str, args: Sequence[str], port: int,
-                   result: Path, show_output: bool = False) -> Any:
-    """Run `script` on 2 emulated hosts joined at `bandwidth`, `nproc` processes each, and
+                   result: Path, show_output: bool = False, hosts: int = 2) -> Any:
+    """Run `script` on `hosts` emulated hosts joined at `bandwidth`, `nproc` processes each, and
     read the JSON it leaves in `result`; None, with each host's last errors printed, when
     a host failed. `show_output` echoes the hosts' stdout (progress lines)."""
-    with Cluster(hosts=2, bandwidth=bandwidth) as cluster:
+    with Cluster(hosts=hosts, bandwidth=bandwidth) as cluster:
         done = cluster.run_job(nproc, script, list(args), port=port)
     if show_output:
         for host in done:

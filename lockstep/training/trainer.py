@@ -41,7 +41,7 @@ from lockstep.replication.precision import LossScaler, autocast
 from lockstep.seeding import seed_everything
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.sharded import ShardConfig
-from lockstep.training import checkpoint, configfile, export, tracing
+from lockstep.training import advising, checkpoint, configfile, export, tracing
 from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
@@ -69,6 +69,8 @@ class Trainer:
                  callbacks: Sequence[Callable[[Trainer], None]] = ()) -> None:
         self.config = config or TrainConfig()
         self.config.validate()
+        if (asked := advising.requested()) is not None:  # `lockstep advise`: measure instead
+            advising.advise_instead(model, optimizer, train_set, loss_fn, self.config, asked)
         if isinstance(self.config.parallel, AsyncConfig):
             raise ValueError("parallel=AsyncConfig is asynchronous training, a loop of its "
                              "own: use lockstep.AsyncTrainer with this config")

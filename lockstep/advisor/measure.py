@@ -1,0 +1,218 @@
+"""What the advisor measures of the model, once, on every rank of the job as launched.
+
+A few plain steps of the user's model with no communication at all: forward, backward
+(and the moment each parameter's gradient is ready, which decides how much of a bucket's
+communication backward can hide), the optimizer's step, DiLoCo's outer step, and the
+local work each compression adds per step. Every rank measures at once, as they will
+train -- on a shared host the processes compete for its cores, and the measurement
+should see that -- and the slowest rank's figures count, since a synchronous step waits
+for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.replication import memory
+from lockstep.replication.precision import autocast
+from lockstep.sharding.zero import plan_units
+
+POWERSGD_RANK, TOPK_RATIO = 4, 0.01  # the compressions the advisor weighs (their defaults)
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """One rank's model, measured (seconds are the slowest rank's medians)."""
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    outer_s: float
+    """DiLoCo's outer step (SGD with Nesterov momentum) over the whole model."""
+    ready_s: tuple[float, ...]
+    """Per trainable parameter, in registration order: seconds into backward until its
+    gradient was ready."""
+    shapes: tuple[tuple[int, ...], ...]
+    element_size: int
+    state_bytes: int
+    """The optimizer's state for the whole model, after a step."""
+    unit_numels: tuple[int, ...]
+    """ZeRO-3's units (a layer each), in forward order."""
+    compress_s: dict[str, float]
+    """Local work per step of each compression ("bf16", "powersgd", "topk")."""
+    micro_steps: int = 1
+    """Forward-backward passes per optimizer step (gradient accumulation)."""
+    device: str = "cpu"
+    """Where it computes: "cpu" or "cuda" (what overlaps with what differs)."""
+
+    @property
+    def numels(self) -> list[int]:
+        return [int(torch.Size(s).numel()) for s in self.shapes]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(self.numels) * self.element_size
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward over one optimizer step's micro-batches."""
+        return self.micro_steps * (self.forward_s + self.backward_s)
+
+
+Batches = Iterator[tuple[Any, Any]]
+
+
+def measure_model(module: nn.Module, batches: Batches,
+                  make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                  loss_fn: Callable[[Any, Any], torch.Tensor], steps: int = 10,
+                  precision: str = "fp32", micro_steps: int = 1) -> ModelCost:
+    """Time `steps` plain steps (after two to warm up) of a copy of `module` -- the user's
+    model is left as it was. Collective: every rank measures; each step counts at its
+    slowest rank's time, as a synchronous step does."""
+    model = copy.deepcopy(module)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(params)
+
+    def loss(x: Any, y: Any) -> torch.Tensor:
+        with autocast(precision, params[0].device):
+            return loss_fn(model(x), y)
+
+    mine = torch.tensor(_timed_steps(params, optimizer, loss, batches, steps),
+                        dtype=torch.float64)
+    comm.all_reduce(mine, "advisor: each step's slowest rank", op=torch.distributed.ReduceOp.MAX)
+    # The median step: a fresh process's first steps can stall (a page fault storm, a
+    # neighbour starting up) and no later step looks like them.
+    forward_s, backward_s, optimizer_s, *ready = mine.median(dim=0).values.tolist()
+    loss(*next(batches)).backward()  # once more: the gradients compression would send
+    extra = [_outer_step_s(params), *_compression_work([p.grad for p in params
+                                                         if p.grad is not None]).values()]
+    slowest = comm.control_tensor(extra, dtype=torch.float64)
+    comm.all_reduce(slowest, "advisor: the slowest rank's other measurements",
+                    op=torch.distributed.ReduceOp.MAX)
+    outer_s, *compress = slowest.tolist()
+    return ModelCost(forward_s, backward_s, optimizer_s, outer_s,
+                     tuple(min(r, backward_s) for r in ready),
+                     tuple(tuple(p.shape) for p in params), params[0].element_size(),
+                     memory.state_bytes(optimizer), _unit_numels(model),
+                     dict(zip(("bf16", "powersgd", "topk"), compress, strict=True)),
+                     micro_steps, params[0].device.type)
+
+
+def _timed_steps(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
+                 loss: Callable[[Any, Any], torch.Tensor], batches: Batches, steps: int
+                 ) -> list[list[float]]:
+    """Per timed step: this rank's forward, backward and optimizer seconds, then each
+    parameter's seconds into backward until its gradient was ready."""
+    ready = [0.0] * len(params)
+    handles = [p.register_post_accumulate_grad_hook(
+        lambda _, i=i: ready.__setitem__(i, time.perf_counter())) for i, p in enumerate(params)]
+    rows = []
+    try:
+        for step in range(steps + 2):
+            x, y = next(batches)
+            # Every rank computes at once, as in training: on a shared host, a rank that
+            # ran alone while others were elsewhere would have the cores to itself.
+            comm.barrier("advisor: measure a step together")
+            started = time.perf_counter()
+            value = loss(x, y)
+            forward_done = time.perf_counter()
+            value.backward()
+            backward_done = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step >= 2:  # (the first two warm caches and allocators up)
+                rows.append([forward_done - started, backward_done - forward_done,
+                             time.perf_counter() - backward_done,
+                             *(t - forward_done for t in ready)])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return rows
+
+
+def _unit_numels(model: nn.Module) -> tuple[int, ...]:
+    named = dict(model.named_parameters())
+    return tuple(sum(named[n].numel() for n in unit) for unit in plan_units(model))
+
+
+def _timed(fn: Callable[[], object], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _outer_step_s(params: list[nn.Parameter]) -> float:
+    """DiLoCo's outer step: the pseudo-gradient formed, an SGD-Nesterov step, the weights
+    copied back (rounds.DiLoCo.synchronise, less its all-reduce)."""
+    theta = [p.detach().clone().float().requires_grad_(True) for p in params]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+
+    def step() -> None:
+        for t, p in zip(theta, params, strict=True):
+            t.grad = t.detach() - p.detach().float()
+        outer.step()
+        with torch.no_grad():
+            for t, p in zip(theta, params, strict=True):
+                p.copy_(t)
+
+    return _timed(step, 3)
+
+
+def _compression_work(grads: list[torch.Tensor]) -> dict[str, float]:
+    """Seconds of local work per step for each compression, on this step's gradients:
+    the casts, PowerSGD's products and orthonormalisation (compress.PowerSGD's arithmetic,
+    no collectives), TopK's selection and scatter."""
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    matrices = [g.reshape(g.shape[0], -1).float() for g in grads
+                if _powersgd_compresses(tuple(g.shape))]
+    qs = [torch.randn(m.shape[1], POWERSGD_RANK) for m in matrices]
+
+    def powersgd() -> None:
+        for m, q in zip(matrices, qs, strict=True):
+            mine = m.clone()
+            p = torch.linalg.qr(m @ q, mode="reduced").Q
+            q2 = m.T @ p
+            mine.sub_(p @ q2.T)
+
+    def topk() -> None:
+        k = max(1, int(TOPK_RATIO * flat.numel()))
+        indices = flat.abs().topk(k, sorted=False).indices
+        residual = flat.clone()
+        residual[indices] = 0
+        torch.zeros_like(flat).index_add_(0, indices, flat[indices])
+
+    return {"bf16": _timed(lambda: flat.to(torch.bfloat16).float()),
+            "powersgd": _timed(powersgd, 3), "topk": _timed(topk, 3)}
+
+
+def _powersgd_compresses(shape: tuple[int, ...]) -> bool:
+    """compress.PowerSGD's rule: a matrix it shrinks at least twice over."""
+    if len(shape) < 2 or shape[0] == 0:
+        return False
+    rows, cols = shape[0], int(torch.Size(shape).numel()) // shape[0]
+    return rows * cols >= 2.0 * POWERSGD_RANK * (rows + cols)
+
+
+def powersgd_numels(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int, int]:
+    """Floats PowerSGD sends per step: (the P factors, the Q factors, what travels whole)."""
+    p = q = whole = 0
+    for shape in shapes:
+        numel = int(torch.Size(shape).numel())
+        if _powersgd_compresses(shape):
+            p += shape[0] * POWERSGD_RANK
+            q += numel // shape[0] * POWERSGD_RANK
+        else:
+            whole += numel
+    return p, q, whole

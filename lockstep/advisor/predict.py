@@ -1,0 +1,226 @@
+"""The advisor's model of a step: pure arithmetic on what was measured (measure.py,
+wire.py), for every mode lockstep offers on this layout.
+
+A synchronous step is forward, then backward with each gradient bucket sent as soon as its
+last gradient is ready -- buckets go one after the other, so a bucket starts when it is
+ready and the one before it is done -- then the optimizer:
+
+    step = forward + max(backward, the last bucket done) + optimizer
+
+(with gradient accumulation, the earlier micro-steps' forward and backward come first).
+A compression changes what each bucket sends and adds its local work; ZeRO-1 and 2 step
+1/N of the optimizer and all-gather the parameters after it (2 reduce-scatters where 1
+all-reduces); ZeRO-3 gathers each layer before its forward and again in backward (the
+next one prefetched while the current one computes) and reduce-scatters its gradient.
+Local SGD and DiLoCo compute every step and all-reduce the model once every H steps.
+Model state per rank follows ZeRO's formulas (zero.py); activations are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lockstep.advisor.measure import TOPK_RATIO, ModelCost, powersgd_numels
+from lockstep.advisor.wire import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    WireCost,
+    algorithms_for,
+)
+from lockstep.lowcomm.rounds import DiLoCoConfig, LocalSGDConfig
+from lockstep.replication.buckets import (
+    DEFAULT_FIRST_BUCKET_BYTES,
+    MB,
+    ParamSlot,
+    default_bucket_mb,
+    plan_buckets,
+    reverse_registration_order,
+)
+from lockstep.replication.compress import PowerSGD, TopK
+from lockstep.replication.sync import SyncConfig
+from lockstep.sharding.sharded import ShardConfig
+
+EXACT, ROUNDED, COMPRESSED, PERIODIC = range(4)
+"""How far a mode's training departs from one process on the global batch: not at all
+(every algorithm, every ZeRO stage), by 16-bit rounding of the gradients, by a lossy
+compression with error feedback, by replicas that drift between syncs."""
+
+TRADE = {ROUNDED: "gradients rounded to 16 bits on the wire",
+         COMPRESSED: "gradients compressed, what is dropped carried to the next step",
+         PERIODIC: "replicas train apart between syncs: check its convergence"}
+
+LOCAL_SGD_EVERY, DILOCO_EVERY = (8, 32), (10, 50)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    fidelity: int
+    config: Any
+    """The TrainConfig(parallel=...) that builds it."""
+
+
+@dataclass(frozen=True)
+class Prediction:
+    mode: Mode
+    step_s: float
+    compute_s: float
+    """Forward, backward and optimizer alone: the step with nothing to wait for."""
+    wire_bytes: float
+    """Payload a rank puts on the wire per step, on average."""
+    state_bytes: float
+    """Parameters, gradients and optimizer state one rank holds."""
+    fits: bool = True
+
+    @property
+    def comm_share(self) -> float:
+        """The share of the step spent waiting for communication."""
+        return max(self.step_s - self.compute_s, 0.0) / self.step_s if self.step_s else 0.0
+
+
+def modes(world_size: int, local_world_size: int) -> list[Mode]:
+    found = [Mode(f"sync {a}", EXACT, SyncConfig(algorithm=a))
+             for a in algorithms_for(world_size, local_world_size)]
+    found += [Mode(f"sync {c}", ROUNDED, SyncConfig(compress=c)) for c in ("bf16", "fp16")]
+    found += [Mode("sync powersgd", COMPRESSED, SyncConfig(compress=PowerSGD())),
+              Mode("sync topk", COMPRESSED, SyncConfig(compress=TopK(TOPK_RATIO)))]
+    found += [Mode(f"ZeRO-{s}", EXACT, ShardConfig(stage=s)) for s in (1, 2, 3)]
+    found += [Mode(f"local SGD H={h}", PERIODIC, LocalSGDConfig(sync_every=h))
+              for h in LOCAL_SGD_EVERY]
+    found += [Mode(f"DiLoCo H={h}", PERIODIC, DiLoCoConfig(sync_every=h)) for h in DILOCO_EVERY]
+    return found
+
+
+def predict_all(model: ModelCost, wire: WireCost, memory_bytes: float) -> list[Prediction]:
+    """Every mode's prediction; a mode whose model state exceeds `memory_bytes` per rank
+    is marked as not fitting."""
+    found = []
+    for mode in modes(wire.world_size, wire.local_world_size):
+        p = predict(mode, model, wire)
+        found.append(Prediction(p.mode, p.step_s, p.compute_s, p.wire_bytes, p.state_bytes,
+                                p.state_bytes <= memory_bytes))
+    return found
+
+
+def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
+    config, n = mode.config, wire.world_size
+    S = model.param_bytes
+    state = _state_bytes(config, S, model.state_bytes, n)
+    if isinstance(config, (LocalSGDConfig, DiLoCoConfig)):
+        every = config.sync_every
+        sync = wire.all_reduce("native", S) + \
+            (model.outer_s if isinstance(config, DiLoCoConfig) else 0.0)
+        compute = model.compute_s + model.optimizer_s
+        return Prediction(mode, compute + sync / every, compute, S / every, state)
+    optimizer = model.optimizer_s / n if isinstance(config, ShardConfig) else model.optimizer_s
+    compute = model.compute_s + optimizer
+    if isinstance(config, ShardConfig) and config.stage == 3:
+        step, sent = _zero3(model, wire)
+        return Prediction(mode, step + optimizer, compute, sent, state)
+    buckets = _buckets(model, config)
+    durations, sent = _bucket_times(config, model, wire, buckets)
+    after = 0.0
+    if isinstance(config, ShardConfig):  # the parameters all-gathered after the step
+        after = sum(wire.time(ALL_GATHER, b) for b in _sizes(model, buckets))
+        sent += S
+    ready = [max(model.ready_s[i] for i in b) for b in buckets]
+    backward_end = _pipeline(ready, durations, model.backward_s)
+    earlier = (model.micro_steps - 1) * (model.forward_s + model.backward_s)
+    step = earlier + model.forward_s + backward_end + optimizer + after
+    return Prediction(mode, step, compute, sent, state)
+
+
+def _pipeline(ready: Sequence[float], durations: Sequence[float], backward_s: float) -> float:
+    """When backward's wait ends: buckets sent in order, each once ready and its
+    predecessor done."""
+    done = 0.0
+    for at, takes in zip(ready, durations, strict=True):
+        done = max(done, at) + takes
+    return max(done, backward_s)
+
+
+def _buckets(model: ModelCost, config: Any) -> list[tuple[int, ...]]:
+    """The parameter indices of each gradient bucket, in launch order (buckets.py's plan,
+    with the mode's cap)."""
+    algorithm = getattr(config, "algorithm", "native")
+    cap = config.bucket_mb or default_bucket_mb(algorithm)
+    slots = [ParamSlot(i, n, "float", model.element_size) for i, n in enumerate(model.numels)]
+    order = reverse_registration_order(len(slots))
+    return [spec.param_indices for spec in plan_buckets([slots[i] for i in order],
+                                                         int(cap * MB),
+                                                         DEFAULT_FIRST_BUCKET_BYTES)]
+
+
+def _sizes(model: ModelCost, buckets: list[tuple[int, ...]]) -> list[int]:
+    numels = model.numels
+    return [sum(numels[i] for i in b) * model.element_size for b in buckets]
+
+
+def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
+                  buckets: list[tuple[int, ...]]) -> tuple[list[float], float]:
+    """Seconds each bucket's reduction takes, and the payload bytes of them all."""
+    sizes = _sizes(model, buckets)
+    total = sum(sizes)
+    compress = getattr(config, "compress", None)
+    if isinstance(config, ShardConfig):
+        kind = f"{ALL_REDUCE} native" if config.stage == 1 else REDUCE_SCATTER
+        return [wire.time(kind, s) for s in sizes], float(total)
+    if compress is None:
+        return [wire.all_reduce(config.algorithm, s) for s in sizes], float(total)
+    if compress in ("bf16", "fp16"):
+        work = model.compress_s["bf16"]
+        return [wire.all_reduce("native", s // 2) + work * s / total for s in sizes], total / 2
+    if isinstance(compress, PowerSGD):
+        work = model.compress_s["powersgd"]
+        times, sent = [], 0.0
+        for b, s in zip(buckets, sizes, strict=True):
+            p, q, whole = (4 * k for k in powersgd_numels(model.shapes[i] for i in b))
+            times.append(sum(wire.all_reduce("native", k) for k in (p, q, whole)) +
+                         work * s / total)
+            sent += p + q + whole
+        return times, sent
+    assert isinstance(compress, TopK)
+    work = model.compress_s["topk"]
+    picks = [max(1, int(compress.ratio * s / 4)) for s in sizes]  # values + int32 indices
+    return [2 * wire.time(ALL_GATHER, wire.world_size * k * 4) + work * s / total
+            for k, s in zip(picks, sizes, strict=True)], float(sum(picks) * 8)
+
+
+def _zero3(model: ModelCost, wire: WireCost) -> tuple[float, float]:
+    """Forward and backward at stage 3, and its payload. Each unit is gathered before its
+    forward and again in backward, where its gradient is also reduce-scattered. On a GPU
+    the next unit's gather is prefetched while the current one computes, so gathers after
+    the first hide behind forward (and backward's traffic behind backward). On CPU the
+    same cores run the collectives and the compute, through Python hooks on the training
+    thread, and little hides: on 2 emulated hosts at 1 Gbit/s the char-GPT measured 220 ms
+    a step where hiding would have made it 117; the sum of the two made it 205."""
+    units = [n * model.element_size for n in model.unit_numels]
+    gather = [wire.time(ALL_GATHER, u) for u in units]
+    scatter = [wire.time(REDUCE_SCATTER, u) for u in units]
+    if model.device == "cuda":
+        forward = gather[0] + max(model.forward_s, sum(gather[1:]))
+        backward = gather[-1] + max(model.backward_s, sum(gather[:-1]) + sum(scatter[1:])) \
+            + scatter[0]
+    else:
+        forward = model.forward_s + sum(gather)
+        backward = model.backward_s + sum(gather) + sum(scatter)
+    earlier = (model.micro_steps - 1) * (forward + backward)
+    return earlier + forward + backward, 3.0 * sum(units)
+
+
+def _state_bytes(config: Any, params: int, optimizer: int, n: int) -> float:
+    """Per rank: ZeRO's formulas (zero.py) with this optimizer's measured state; error
+    feedback keeps a gradient-sized residual; DiLoCo an fp32 anchor and its momentum."""
+    grads = params
+    if isinstance(config, ShardConfig):
+        return {1: params + grads + optimizer / n, 2: params + (grads + optimizer) / n,
+                3: (params + grads + optimizer) / n}[config.stage]
+    whole = params + grads + optimizer
+    if isinstance(config, DiLoCoConfig):
+        return whole + 2 * params
+    if isinstance(getattr(config, "compress", None), (PowerSGD, TopK)):
+        return whole + grads
+    return whole

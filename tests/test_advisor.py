@@ -1,0 +1,141 @@
+"""The scaling advisor: its model of a step (pure arithmetic on made-up measurements),
+what it recommends and why, and `lockstep advise` on a real Trainer script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lockstep.advisor.advise import Advice
+from lockstep.advisor.measure import ModelCost
+from lockstep.advisor.predict import EXACT, PERIODIC, Mode, predict, predict_all
+from lockstep.advisor.wire import WireCost
+from lockstep.replication.sync import SyncConfig
+
+MS = 1e-3
+# A 256x256 weight and its bias: the bias's gradient is ready 5 ms into backward, the
+# weight's at its end (20 ms).
+MODEL = ModelCost(forward_s=10 * MS, backward_s=20 * MS, optimizer_s=2 * MS, outer_s=1 * MS,
+                  ready_s=(20 * MS, 5 * MS), shapes=((256, 256), (256,)), element_size=4,
+                  state_bytes=2 * 4 * (256 * 256 + 256), unit_numels=(256 * 256 + 256,),
+                  compress_s={"bf16": 0.1 * MS, "powersgd": 1 * MS, "topk": 1 * MS})
+PARAM_BYTES = 4 * (256 * 256 + 256)
+
+
+def wire(beta: float, alpha: float = 1e-4) -> WireCost:
+    """Every collective alpha + S beta: timed at two sizes, a line between them."""
+    line = {1: alpha + beta, 1 << 30: alpha + (1 << 30) * beta}
+    kinds = ["all-reduce native", "all-reduce ring", "all-reduce tree", "reduce-scatter",
+             "all-gather"]
+    return WireCost({kind: line for kind in kinds}, 2, 1)
+
+
+SLOW, FAST = wire(1e-6), wire(1e-11, 1e-6)  # about 8 Mbit/s, and memory speed
+
+
+def test_a_bucket_starts_once_ready_and_its_predecessor_done() -> None:
+    # 0.1 MB buckets: the bias (1 KB, ready at 5 ms) goes alone, then the weight (256 KB,
+    # ready at 20 ms) once the bias's all-reduce is done.
+    mode = Mode("small buckets", EXACT, SyncConfig(bucket_mb=0.1))
+    bias_done = 5 * MS + SLOW.all_reduce("native", 1024)
+    weight_done = max(bias_done, 20 * MS) + SLOW.all_reduce("native", 256 * 1024)
+    got = predict(mode, MODEL, SLOW)
+    assert got.step_s == pytest.approx(10 * MS + weight_done + 2 * MS)
+    assert got.compute_s == pytest.approx(32 * MS)
+    assert got.wire_bytes == PARAM_BYTES
+    # On a fast link the bias's reduction hides in backward and the weight's adds little.
+    fast = predict(mode, MODEL, FAST)
+    assert fast.step_s == pytest.approx(32 * MS + FAST.all_reduce("native", 256 * 1024))
+
+
+def test_periodic_modes_pay_one_model_all_reduce_every_h_steps() -> None:
+    by_name = {p.mode.name: p for p in predict_all(MODEL, SLOW, memory_bytes=1e12)}
+    sync_once = SLOW.all_reduce("native", PARAM_BYTES)
+    assert by_name["local SGD H=8"].step_s == pytest.approx(32 * MS + sync_once / 8)
+    assert by_name["DiLoCo H=50"].step_s == pytest.approx(32 * MS + (sync_once + MS) / 50)
+    assert by_name["DiLoCo H=50"].wire_bytes == pytest.approx(PARAM_BYTES / 50)
+
+
+def test_zero_stages_hold_what_zero_says() -> None:
+    by_name = {p.mode.name: p for p in predict_all(MODEL, FAST, memory_bytes=1e12)}
+    p = g = PARAM_BYTES
+    s = MODEL.state_bytes
+    assert by_name["sync native"].state_bytes == p + g + s
+    assert by_name["ZeRO-1"].state_bytes == p + g + s / 2
+    assert by_name["ZeRO-2"].state_bytes == p + (g + s) / 2
+    assert by_name["ZeRO-3"].state_bytes == (p + g + s) / 2
+    # Stages 1-2 step half the optimizer and then gather the parameters.
+    assert by_name["ZeRO-2"].compute_s == pytest.approx(31 * MS)
+
+
+def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:
+    return Advice(MODEL, link, predict_all(MODEL, link, memory_bytes), 64, memory_bytes)
+
+
+def test_a_fast_link_keeps_the_default() -> None:
+    fast = advice(FAST)
+    assert fast.recommended.mode.name == "sync native"
+    assert any("keep the default" in r for r in fast.reasons())
+    assert "<- recommended" in next(line for line in fast.table().splitlines()
+                                    if line.startswith("sync native"))
+
+
+def test_a_slow_link_trades_exactness_for_speed_and_says_so() -> None:
+    slow = advice(SLOW)
+    chosen = slow.recommended
+    assert chosen.mode.fidelity == PERIODIC
+    fastest = min(p.step_s for p in slow.predictions)
+    assert chosen.step_s <= 1.10 * fastest
+    sync = slow.prediction("sync native")
+    said = " ".join(slow.reasons())
+    assert f"sync would spend {sync.comm_share:.0%} of each step communicating" in said
+    assert f"{sync.step_s / chosen.step_s:.2f}x as fast as sync" in said
+    assert "replicas train apart between syncs" in said
+
+
+def test_a_model_that_fits_only_sharded_gets_zero() -> None:
+    # Per rank: sync holds p + g + s = 4p, ZeRO-2 2.5p, ZeRO-3 2p.
+    tight = advice(FAST, memory_bytes=2.2 * PARAM_BYTES)
+    assert tight.recommended.mode.name == "ZeRO-3"
+    assert not tight.prediction("sync native").fits
+    assert "only sharded modes fit" in " ".join(tight.reasons())
+    assert "does not fit" in next(line for line in tight.table().splitlines()
+                                  if line.startswith("ZeRO-2"))
+
+
+TRAINER_SCRIPT = """
+import torch, lockstep
+from lockstep.demo.data import mnist
+from lockstep.demo.models import small_cnn
+train, test = mnist()
+config = lockstep.TrainConfig(global_batch_size=64, epochs=1, run_dir={run_dir!r})
+lockstep.Trainer(small_cnn, lambda p: torch.optim.AdamW(p), train, test, config=config).fit()
+print("TRAINED")
+"""
+
+
+def test_lockstep_advise_measures_a_trainer_script_instead_of_training_it(
+        tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_SCRIPT.format(run_dir=str(tmp_path / "run")))
+    result = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "advise", "-n", "2",
+                             "--json", str(tmp_path / "advice.json"), str(script)],
+                            capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "TRAINED" not in result.stdout and not (tmp_path / "run").exists()
+    record = json.loads((tmp_path / "advice.json").read_text())
+    assert record["samples_per_step"] == 64 and record["world_size"] == 2
+    assert {m["mode"] for m in record["modes"]} >= {"sync native", "sync shm", "ZeRO-3",
+                                                    "DiLoCo H=50"}
+    assert all(m["step_ms"] > 0 for m in record["modes"])
+    assert f"recommended: {record['recommended']}: " in result.stdout
+    # A script with its own loop never asks: the launcher says what would.
+    plain = tmp_path / "plain.py"
+    plain.write_text("import lockstep\nlockstep.init()\n")
+    result = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "advise", "-n", "1",
+                             str(plain)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "lockstep.advise(model, batches" in result.stderr
