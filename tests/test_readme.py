@@ -8,6 +8,7 @@ nothing is launched."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import runpy
 import shlex
@@ -120,7 +121,14 @@ def check_lockstep(argv: list[str], monkeypatch: pytest.MonkeyPatch,
             check_command(filled, monkeypatch, capsys)
         return
     launched = []
-    monkeypatch.setattr(cli, "run", lambda spec: launched.append(spec) or 0)
+
+    def launch(spec: Any) -> int:
+        launched.append(spec)
+        if advice := os.environ.get("LOCKSTEP_ADVISE"):  # as a Trainer's rank 0 would
+            Path(advice).write_text("{}")
+        return 0
+
+    monkeypatch.setattr(cli, "run", launch)
     monkeypatch.setattr("lockstep.launch.elastic.run_elastic",
                         lambda spec: launched.append(spec) or 0)
     try:

@@ -6,9 +6,10 @@
 Collective: call it on every rank of the job as you would launch it (`lockstep advise` does
 it for a Trainer script). It measures the model (measure.py) and the links (wire.py) in a
 few seconds, predicts each mode's step time (predict.py), and recommends the most faithful
-mode within 10% of the fastest: exact training (any algorithm, any ZeRO stage) before
-16-bit gradients, before lossy compression, before replicas that train apart between syncs
--- so a slower link must buy a larger speed-up before the advisor trades exactness for it.
+mode within 5% of the fastest: exact training (any algorithm, any ZeRO stage) before
+16-bit gradients, before lossy compression, before replicas that train apart between syncs:
+a less faithful mode must be predicted more than 5% faster than every more faithful one,
+and the reasons say what it trades.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ENV = "LOCKSTEP_ADVISE"
 """Set by `lockstep advise` for the workers it starts: where to write the advice as JSON
 ("" for nowhere: the table is printed in any case)."""
 
-WITHIN = 1.10  # a more faithful mode is preferred while at most this much slower
+WITHIN = 1.05  # a more faithful mode is preferred while at most this much slower
 CLEARLY = 1.05  # a mode must be predicted this much faster than the default to replace it
 
 
@@ -110,6 +111,7 @@ class Advice:
                                "backward": self.model.backward_s * 1e3,
                                "optimizer": self.model.optimizer_s * 1e3,
                                "diloco_outer": self.model.outer_s * 1e3,
+                               "lockstep_wrapper": self.model.wrapper_s * 1e3,
                                **{f"compress_{k}": v * 1e3
                                   for k, v in self.model.compress_s.items()}},
                 "collectives_ms": {kind: {str(n): t * 1e3 for n, t in sorted(points.items())}

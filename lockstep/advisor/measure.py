@@ -3,7 +3,7 @@
 A few plain steps of the user's model with no communication at all: forward, backward
 (and the moment each parameter's gradient is ready, which decides how much of a bucket's
 communication backward can hide), the optimizer's step, DiLoCo's outer step, and the
-local work each compression adds per step. Every rank measures at once, as they will
+work each compressor adds per step (compression.py). Every rank measures at once, as they will
 train -- on a shared host the processes compete for its cores, and the measurement
 should see that -- and the slowest rank's figures count, since a synchronous step waits
 for it.
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from lockstep import comm
+from lockstep.advisor.compression import compressor_work, group_of_one
 from lockstep.replication import memory
 from lockstep.replication.precision import autocast
+from lockstep.replication.replica import DataParallel
 from lockstep.sharding.zero import plan_units
-
-POWERSGD_RANK, TOPK_RATIO = 4, 0.01  # the compressions the advisor weighs (their defaults)
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,9 @@ class ModelCost:
     unit_numels: tuple[int, ...]
     """ZeRO-3's units (a layer each), in forward order."""
     compress_s: dict[str, float]
-    """Local work per step of each compression ("bf16", "powersgd", "topk")."""
+    """Each compressor's own work per step, the wire aside ("bf16", "powersgd", "topk")."""
+    wrapper_s: float = 0.0
+    """lockstep's own work in a synchronous step, beyond the model's (hooks, buckets)."""
     micro_steps: int = 1
     """Forward-backward passes per optimizer step (gradient accumulation)."""
     device: str = "cpu"
@@ -82,34 +84,65 @@ def measure_model(module: nn.Module, batches: Batches,
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params)
 
-    def loss(x: Any, y: Any) -> torch.Tensor:
+    def loss(net: nn.Module, x: Any, y: Any) -> torch.Tensor:
         with autocast(precision, params[0].device):
-            return loss_fn(model(x), y)
+            return loss_fn(net(x), y)
 
-    mine = torch.tensor(_timed_steps(params, optimizer, loss, batches, steps),
+    mine = torch.tensor(_timed_steps(model, params, optimizer, loss, batches, steps),
                         dtype=torch.float64)
     comm.all_reduce(mine, "advisor: each step's slowest rank", op=torch.distributed.ReduceOp.MAX)
     # The median step: a fresh process's first steps can stall (a page fault storm, a
     # neighbour starting up) and no later step looks like them.
     forward_s, backward_s, optimizer_s, *ready = mine.median(dim=0).values.tolist()
-    loss(*next(batches)).backward()  # once more: the gradients compression would send
-    extra = [_outer_step_s(params), *_compression_work([p.grad for p in params
-                                                         if p.grad is not None]).values()]
+    loss(model, *next(batches)).backward()  # once more: the gradients compression sends
+    alone = group_of_one()
+    try:
+        extra = [_outer_step_s(params),
+                 _wrapper_s(module, make_optimizer, loss, batches, alone),
+                 *compressor_work(params, alone).values()]
+    finally:
+        comm.destroy_group(alone)
     slowest = comm.control_tensor(extra, dtype=torch.float64)
     comm.all_reduce(slowest, "advisor: the slowest rank's other measurements",
                     op=torch.distributed.ReduceOp.MAX)
-    outer_s, *compress = slowest.tolist()
+    outer_s, wrapper_s, *compress = slowest.tolist()
     return ModelCost(forward_s, backward_s, optimizer_s, outer_s,
                      tuple(min(r, backward_s) for r in ready),
                      tuple(tuple(p.shape) for p in params), params[0].element_size(),
                      memory.state_bytes(optimizer), _unit_numels(model),
                      dict(zip(("bf16", "powersgd", "topk"), compress, strict=True)),
-                     micro_steps, params[0].device.type)
+                     wrapper_s, micro_steps, params[0].device.type)
 
 
-def _timed_steps(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
-                 loss: Callable[[Any, Any], torch.Tensor], batches: Batches, steps: int
-                 ) -> list[list[float]]:
+def _wrapper_s(module: nn.Module,
+               make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+               loss: Callable[[nn.Module, Any, Any], torch.Tensor], batches: Batches,
+               alone: comm.Group, steps: int = 8) -> float:
+    """lockstep's own work in a synchronous step -- readiness hooks, filling buckets, the
+    non-finite check, the collective ledger: DataParallel over a group of this rank alone
+    against the plain model, a step of each in turn, the difference of their medians."""
+    plain, wrapped = copy.deepcopy(module), DataParallel(copy.deepcopy(module), group=alone)
+    pairs = [(net, make_optimizer(net.parameters())) for net in (plain, wrapped)]
+    times: list[list[float]] = [[], []]
+    try:
+        for step in range(steps + 2):
+            x, y = next(batches)
+            for (net, optimizer), seconds in zip(pairs, times, strict=True):
+                started = time.perf_counter()
+                loss(net, x, y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step >= 2:
+                    seconds.append(time.perf_counter() - started)
+    finally:
+        wrapped.close()
+    return max(statistics.median(times[1]) - statistics.median(times[0]), 0.0)
+
+
+def _timed_steps(model: nn.Module, params: list[nn.Parameter],
+                 optimizer: torch.optim.Optimizer,
+                 loss: Callable[[nn.Module, Any, Any], torch.Tensor], batches: Batches,
+                 steps: int) -> list[list[float]]:
     """Per timed step: this rank's forward, backward and optimizer seconds, then each
     parameter's seconds into backward until its gradient was ready."""
     ready = [0.0] * len(params)
@@ -123,7 +156,7 @@ def _timed_steps(params: list[nn.Parameter], optimizer: torch.optim.Optimizer,
             # ran alone while others were elsewhere would have the cores to itself.
             comm.barrier("advisor: measure a step together")
             started = time.perf_counter()
-            value = loss(x, y)
+            value = loss(model, x, y)
             forward_done = time.perf_counter()
             value.backward()
             backward_done = time.perf_counter()
@@ -168,51 +201,3 @@ def _outer_step_s(params: list[nn.Parameter]) -> float:
                 p.copy_(t)
 
     return _timed(step, 3)
-
-
-def _compression_work(grads: list[torch.Tensor]) -> dict[str, float]:
-    """Seconds of local work per step for each compression, on this step's gradients:
-    the casts, PowerSGD's products and orthonormalisation (compress.PowerSGD's arithmetic,
-    no collectives), TopK's selection and scatter."""
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    matrices = [g.reshape(g.shape[0], -1).float() for g in grads
-                if _powersgd_compresses(tuple(g.shape))]
-    qs = [torch.randn(m.shape[1], POWERSGD_RANK) for m in matrices]
-
-    def powersgd() -> None:
-        for m, q in zip(matrices, qs, strict=True):
-            mine = m.clone()
-            p = torch.linalg.qr(m @ q, mode="reduced").Q
-            q2 = m.T @ p
-            mine.sub_(p @ q2.T)
-
-    def topk() -> None:
-        k = max(1, int(TOPK_RATIO * flat.numel()))
-        indices = flat.abs().topk(k, sorted=False).indices
-        residual = flat.clone()
-        residual[indices] = 0
-        torch.zeros_like(flat).index_add_(0, indices, flat[indices])
-
-    return {"bf16": _timed(lambda: flat.to(torch.bfloat16).float()),
-            "powersgd": _timed(powersgd, 3), "topk": _timed(topk, 3)}
-
-
-def _powersgd_compresses(shape: tuple[int, ...]) -> bool:
-    """compress.PowerSGD's rule: a matrix it shrinks at least twice over."""
-    if len(shape) < 2 or shape[0] == 0:
-        return False
-    rows, cols = shape[0], int(torch.Size(shape).numel()) // shape[0]
-    return rows * cols >= 2.0 * POWERSGD_RANK * (rows + cols)
-
-
-def powersgd_numels(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int, int]:
-    """Floats PowerSGD sends per step: (the P factors, the Q factors, what travels whole)."""
-    p = q = whole = 0
-    for shape in shapes:
-        numel = int(torch.Size(shape).numel())
-        if _powersgd_compresses(shape):
-            p += shape[0] * POWERSGD_RANK
-            q += numel // shape[0] * POWERSGD_RANK
-        else:
-            whole += numel
-    return p, q, whole

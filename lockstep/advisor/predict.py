@@ -13,6 +13,8 @@ A compression changes what each bucket sends and adds its local work; ZeRO-1 and
 all-reduces); ZeRO-3 gathers each layer before its forward and again in backward (the
 next one prefetched while the current one computes) and reduce-scatters its gradient.
 Local SGD and DiLoCo compute every step and all-reduce the model once every H steps.
+Every synchronous mode adds lockstep's own per-step work (hooks, buckets, checks), measured
+on a DataParallel over a group of one rank.
 Model state per rank follows ZeRO's formulas (zero.py); activations are not counted.
 """
 
@@ -22,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lockstep.advisor.measure import TOPK_RATIO, ModelCost, powersgd_numels
+from lockstep.advisor.compression import TOPK_RATIO, powersgd_numels
+from lockstep.advisor.measure import ModelCost
 from lockstep.advisor.wire import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -116,10 +119,10 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
         compute = model.compute_s + model.optimizer_s
         return Prediction(mode, compute + sync / every, compute, S / every, state)
     optimizer = model.optimizer_s / n if isinstance(config, ShardConfig) else model.optimizer_s
-    compute = model.compute_s + optimizer
+    compute = model.compute_s + optimizer + model.wrapper_s  # (lockstep's own work too)
     if isinstance(config, ShardConfig) and config.stage == 3:
         step, sent = _zero3(model, wire)
-        return Prediction(mode, step + optimizer, compute, sent, state)
+        return Prediction(mode, step + optimizer + model.wrapper_s, compute, sent, state)
     buckets = _buckets(model, config)
     durations, sent = _bucket_times(config, model, wire, buckets)
     after = 0.0
@@ -129,7 +132,7 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     ready = [max(model.ready_s[i] for i in b) for b in buckets]
     backward_end = _pipeline(ready, durations, model.backward_s)
     earlier = (model.micro_steps - 1) * (model.forward_s + model.backward_s)
-    step = earlier + model.forward_s + backward_end + optimizer + after
+    step = earlier + model.forward_s + backward_end + optimizer + after + model.wrapper_s
     return Prediction(mode, step, compute, sent, state)
 
 
@@ -172,7 +175,8 @@ def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
         return [wire.all_reduce(config.algorithm, s) for s in sizes], float(total)
     if compress in ("bf16", "fp16"):
         work = model.compress_s["bf16"]
-        return [wire.all_reduce("native", s // 2) + work * s / total for s in sizes], total / 2
+        return [wire.all_reduce(f"native {compress}", s // 2) + work * s / total
+                for s in sizes], total / 2
     if isinstance(compress, PowerSGD):
         work = model.compress_s["powersgd"]
         times, sent = [], 0.0

@@ -23,10 +23,13 @@ import torch.distributed as dist
 from lockstep import comm
 from lockstep.advisor.costmodel import bus_bandwidth, time_reduction
 from lockstep.replication.choices import make_algorithm
+from lockstep.replication.compress import HALF_DTYPES
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all-reduce", "reduce-scatter", "all-gather"
 Kind = str
-"""ALL_REDUCE + " " + an algorithm ("all-reduce native"), REDUCE_SCATTER or ALL_GATHER."""
+"""ALL_REDUCE + " " + an algorithm ("all-reduce native"), and a 16-bit dtype where the
+buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER
+or ALL_GATHER."""
 
 
 class WireCost:
@@ -93,8 +96,12 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
     wanted: dict[Kind, list[int]] = {}
     for kind, nbytes in sorted(set(asked)):
         wanted.setdefault(kind, []).append(max(nbytes // 4 * 4, 4))
+    wanted = {kind: sorted(set(sizes)) for kind, sizes in wanted.items()}
     for kind, sizes in wanted.items():
-        if kind.startswith(ALL_REDUCE):
+        if kind.startswith(ALL_REDUCE) and len(kind.split()) == 3:  # a 16-bit buffer
+            dtype = HALF_DTYPES[kind.split()[2]]
+            timed[kind] = {n: _time(_all_reduce(n, dtype), budget_s) for n in sizes}
+        elif kind.startswith(ALL_REDUCE):
             algorithm = make_algorithm(kind.split()[1], None, local_world_size)
             try:
                 timed[kind] = {n: time_reduction(algorithm, n, budget_s) for n in sizes}
@@ -110,6 +117,11 @@ def _buffers(nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     n = comm.size_of()
     per_rank = max(nbytes // 4 // n, 1)
     return torch.zeros(per_rank * n), torch.zeros(per_rank)
+
+
+def _all_reduce(nbytes: int, dtype: torch.dtype) -> Callable[[], object]:
+    flat = torch.zeros(max(nbytes // dtype.itemsize, 1), dtype=dtype)
+    return lambda: comm.all_reduce(flat, "advisor: 16-bit all-reduce probe")
 
 
 def _reduce_scatter(nbytes: int) -> Callable[[], object]:
