@@ -30,7 +30,8 @@ def wire(beta: float, alpha: float = 1e-4) -> WireCost:
     """Every collective alpha + S beta: timed at two sizes, a line between them."""
     line = {1: alpha + beta, 1 << 30: alpha + (1 << 30) * beta}
     kinds = ["all-reduce native", "all-reduce ring", "all-reduce tree",
-             "all-reduce native bf16", "all-reduce native fp16", "reduce-scatter", "all-gather"]
+             "all-reduce native bf16", "all-reduce native fp16", "reduce-scatter", "all-gather",
+             "shard gather"]
     return WireCost({kind: line for kind in kinds}, 2, 1)
 
 
@@ -141,10 +142,20 @@ def test_lockstep_advise_measures_a_trainer_script_instead_of_training_it(
     assert {m["mode"] for m in record["modes"]} >= {"sync native", "sync shm", "ZeRO-3",
                                                     "DiLoCo H=50"}
     assert all(m["step_ms"] > 0 for m in record["modes"])
+    state = {m["mode"]: m["state_bytes"] for m in record["modes"]}
+    assert state["ZeRO-3"] < state["ZeRO-2"] < state["ZeRO-1"] < state["sync native"]
     assert f"recommended: {record['recommended']}: " in result.stdout
-    # A script with its own loop never asks: the launcher says what would.
+
+
+def test_lockstep_advise_says_so_when_no_worker_answered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+        ) -> None:
+    """A script with its own loop never asks for advice: the launcher says what would
+    (the launch itself stands in here: its workers would write nothing)."""
+    from lockstep.launch import cli
+
+    monkeypatch.setattr(cli, "run", lambda spec: 0)
     plain = tmp_path / "plain.py"
     plain.write_text("import lockstep\nlockstep.init()\n")
-    result = subprocess.run([sys.executable, "-m", "lockstep.launch.cli", "advise", "-n", "1",
-                             str(plain)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and "lockstep.advise(model, batches" in result.stderr
+    assert cli.main(["advise", "-n", "2", str(plain)]) == 1
+    assert "lockstep.advise(model, batches" in capsys.readouterr().err

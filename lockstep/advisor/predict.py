@@ -29,6 +29,7 @@ from lockstep.advisor.measure import ModelCost
 from lockstep.advisor.wire import (
     ALL_GATHER,
     ALL_REDUCE,
+    GATHER_SHARDS,
     REDUCE_SCATTER,
     WireCost,
     algorithms_for,
@@ -127,7 +128,7 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     durations, sent = _bucket_times(config, model, wire, buckets)
     after = 0.0
     if isinstance(config, ShardConfig):  # the parameters all-gathered after the step
-        after = sum(wire.time(ALL_GATHER, b) for b in _sizes(model, buckets))
+        after = sum(wire.time(GATHER_SHARDS, b) for b in _sizes(model, buckets))
         sent += S
     ready = [max(model.ready_s[i] for i in b) for b in buckets]
     backward_end = _pipeline(ready, durations, model.backward_s)
@@ -202,7 +203,7 @@ def _zero3(model: ModelCost, wire: WireCost) -> tuple[float, float]:
     thread, and little hides: on 2 emulated hosts at 1 Gbit/s the char-GPT measured 220 ms
     a step where hiding would have made it 117; the sum of the two made it 205."""
     units = [n * model.element_size for n in model.unit_numels]
-    gather = [wire.time(ALL_GATHER, u) for u in units]
+    gather = [wire.time(GATHER_SHARDS, u) for u in units]
     scatter = [wire.time(REDUCE_SCATTER, u) for u in units]
     if model.device == "cuda":
         forward = gather[0] + max(model.forward_s, sum(gather[1:]))

@@ -26,10 +26,13 @@ from lockstep.replication.choices import make_algorithm
 from lockstep.replication.compress import HALF_DTYPES
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all-reduce", "reduce-scatter", "all-gather"
+GATHER_SHARDS = "shard gather"
+"""ZeRO's gather of parameter shards into the whole (comm.gather_shards_async: on Gloo one
+broadcast per owner, which costs what an all-gather does not on a slow link)."""
 Kind = str
 """ALL_REDUCE + " " + an algorithm ("all-reduce native"), and a 16-bit dtype where the
-buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER
-or ALL_GATHER."""
+buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER,
+ALL_GATHER or GATHER_SHARDS."""
 
 
 class WireCost:
@@ -108,7 +111,8 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
             finally:
                 algorithm.close()
         else:
-            start = _reduce_scatter if kind == REDUCE_SCATTER else _all_gather
+            start = {REDUCE_SCATTER: _reduce_scatter, ALL_GATHER: _all_gather,
+                     GATHER_SHARDS: _gather_shards}[kind]
             timed[kind] = {n: _time(start(n), budget_s) for n in sizes}
     return WireCost(timed, comm.size_of(), local_world_size)
 
@@ -132,6 +136,11 @@ def _reduce_scatter(nbytes: int) -> Callable[[], object]:
 def _all_gather(nbytes: int) -> Callable[[], object]:
     whole, mine = _buffers(nbytes)
     return lambda: comm.all_gather_into(whole, mine, "advisor: all-gather probe")
+
+
+def _gather_shards(nbytes: int) -> Callable[[], object]:
+    whole, _ = _buffers(nbytes)
+    return lambda: comm.gather_shards_async(whole, "advisor: shard gather probe").wait()
 
 
 def _time(run: Callable[[], object], budget_s: float, most: int = 100) -> float:
