@@ -12,7 +12,15 @@ import pytest
 
 from lockstep.advisor.advise import Advice
 from lockstep.advisor.measure import ModelCost
-from lockstep.advisor.predict import EXACT, PERIODIC, Mode, predict, predict_all
+from lockstep.advisor.predict import (
+    EXACT,
+    PERIODIC,
+    ROUNDED,
+    Mode,
+    Prediction,
+    predict,
+    predict_all,
+)
 from lockstep.advisor.wire import WireCost
 from lockstep.replication.sync import SyncConfig
 
@@ -78,12 +86,29 @@ def test_zero_stages_hold_what_zero_says() -> None:
     assert by_name["ZeRO-1"].state_bytes == p + g + s / 2
     assert by_name["ZeRO-2"].state_bytes == p + (g + s) / 2
     assert by_name["ZeRO-3"].state_bytes == (p + g + s) / 2
+    assert by_name["DiLoCo H=50"].state_bytes == p + g + s + 2 * p  # its anchor, momentum
+    assert by_name["sync topk"].state_bytes == p + g + s + g  # error feedback
     # Stages 1-2 step half the optimizer and then gather the parameters.
     assert by_name["ZeRO-2"].compute_s == pytest.approx(31 * MS)
 
 
 def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:
     return Advice(MODEL, link, predict_all(MODEL, link, memory_bytes), 64, memory_bytes)
+
+
+def test_the_most_faithful_mode_within_5_percent_of_the_fastest_is_recommended() -> None:
+    def chosen(**step_ms: float) -> str:
+        fidelity = {"sync_native": EXACT, "ZeRO_2": EXACT, "sync_bf16": ROUNDED,
+                    "DiLoCo": PERIODIC}
+        found = [Prediction(Mode(name.replace("_", " "), fidelity[name], None), ms * MS,
+                            ms * MS, 0.0, 0.0) for name, ms in step_ms.items()]
+        return Advice(MODEL, SLOW, found, 64, 1e12).recommended.mode.name
+
+    assert chosen(sync_native=100, sync_bf16=60, DiLoCo=58) == "sync bf16"
+    assert chosen(sync_native=100, sync_bf16=60, DiLoCo=55) == "DiLoCo"
+    # Among exact modes the default stays unless another is more than 5% faster.
+    assert chosen(sync_native=100, ZeRO_2=96, DiLoCo=95) == "sync native"
+    assert chosen(sync_native=100, ZeRO_2=90, DiLoCo=89) == "ZeRO 2"
 
 
 def test_a_fast_link_keeps_the_default() -> None:
