@@ -21,13 +21,17 @@ from lockstep import comm
 from lockstep.replication.algorithms import AllReduce
 from lockstep.replication.buckets import (
     DEFAULT_BUCKET_MB,
-    DEFAULT_FIRST_BUCKET_BYTES,
     MB,
     ParamSlot,
-    plan_buckets,
-    reverse_registration_order,
+    plan_before_backward,
 )
-from lockstep.replication.compress import Cast, Compression, PowerSGD, TopK
+from lockstep.replication.compress import (
+    Cast,
+    Compression,
+    PowerSGD,
+    TopK,
+    powersgd_compresses,
+)
 from lockstep.replication.reduction import Bucket, Done, Handle
 
 POWERSGD_RANK, TOPK_RATIO = 4, 0.01  # the compressions the advisor weighs (their defaults)
@@ -65,8 +69,7 @@ def compressor_work(params: Sequence[nn.Parameter], alone: comm.Group, repeats: 
     collectives over `alone` (group_of_one)."""
     slots = [ParamSlot(i, p.numel(), str(p.dtype), p.element_size())
              for i, p in enumerate(params)]
-    specs = plan_buckets([slots[i] for i in reverse_registration_order(len(slots))],
-                         int(DEFAULT_BUCKET_MB * MB), DEFAULT_FIRST_BUCKET_BYTES)
+    specs = plan_before_backward(slots, int(DEFAULT_BUCKET_MB * MB))
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     seconds = {}
     for name, make in COMPRESSORS.items():
@@ -92,20 +95,13 @@ def _one_step(compressor: Compression, buckets: list[Bucket],
     return time.perf_counter() - started
 
 
-def _powersgd_compresses(shape: tuple[int, ...]) -> bool:
-    """compress.PowerSGD's rule: a matrix it shrinks at least twice over."""
-    if len(shape) < 2 or shape[0] == 0:
-        return False
-    rows, cols = shape[0], int(torch.Size(shape).numel()) // shape[0]
-    return rows * cols >= 2.0 * POWERSGD_RANK * (rows + cols)
-
-
 def powersgd_numels(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int, int]:
     """Floats PowerSGD sends per step: (the P factors, the Q factors, what travels whole)."""
     p = q = whole = 0
+    least = PowerSGD(POWERSGD_RANK).min_compression
     for shape in shapes:
         numel = int(torch.Size(shape).numel())
-        if _powersgd_compresses(shape):
+        if powersgd_compresses(shape, POWERSGD_RANK, least):
             p += shape[0] * POWERSGD_RANK
             q += numel // shape[0] * POWERSGD_RANK
         else:

@@ -29,10 +29,12 @@ all-reduce.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -178,20 +180,34 @@ def time_reduction(algorithm: AllReduce, nbytes: int, budget_s: float = 1.0,
     every rank starting together), over repeats within `budget_s`; the first repeat of a
     large one, which warms buffers and connections, is left out. Collective."""
     flat = algorithm.allocate(nbytes // 4, torch.float32, torch.device("cpu"))
+
+    def reduce() -> None:
+        algorithm.all_reduce(flat, f"{nbytes} bytes").wait()
+        algorithm.finish([])
+
+    try:
+        return slowest_median(reduce, budget_s, most, warm_first=nbytes >= (1 << 20))
+    finally:
+        algorithm.free(flat)
+
+
+def slowest_median(run: Callable[[], object], budget_s: float, most: int = 200,
+                   warm_first: bool = True) -> float:
+    """Median seconds of the collective `run` -- each repeat the slowest rank's, every rank
+    starting together -- over repeats within `budget_s` (at least two counted); with
+    `warm_first` the first repeat only warms up. Collective."""
     times: list[float] = []
-    spent = 0.0
+    spent, repeats = 0.0, 0
     while len(times) < 2 or (spent < budget_s and len(times) < most):
         comm.barrier("cost model: start together")
         started = time.perf_counter()
-        algorithm.all_reduce(flat, f"{nbytes} bytes").wait()
-        algorithm.finish([])
+        run()
         elapsed = torch.tensor([time.perf_counter() - started])
         comm.all_reduce(elapsed, "cost model: the slowest rank",
                         op=torch.distributed.ReduceOp.MAX)
-        if spent > 0 or nbytes < (1 << 20):
+        if repeats or not warm_first:
             times.append(elapsed.item())
-        spent += elapsed.item()
-    algorithm.free(flat)
+        spent, repeats = spent + elapsed.item(), repeats + 1
     return statistics.median(times)
 
 
@@ -220,11 +236,12 @@ def probe_host(topology: Topology, timeout_s: float | None = None,
     return HostCost(fixed, tuple(sizes), tuple(t - fixed for t in seconds))
 
 
-def _timed(fn: object, repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `fn` over `repeats` calls, on this rank alone."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         times.append(time.perf_counter() - started)
     return statistics.median(times)
 
@@ -263,11 +280,12 @@ def probe(a: int, b: int, large_bytes: int = 8 << 20, repeats: int = 5) -> LinkC
         for _ in range(3):  # warm the connections, the buffers and the TCP windows
             reduce(large)
             there_and_back()
-        alpha = _timed(lambda: reduce(tiny), repeats * 4) / 2
-        times = [_timed(lambda n=n: reduce(large[: n // 4]), repeats) for n in sizes]
+        alpha = median_seconds(lambda: reduce(tiny), repeats * 4) / 2
+        times = [median_seconds(functools.partial(reduce, large[: n // 4]), repeats)
+                 for n in sizes]
         slope = statistics.linear_regression(sizes, times).slope
         beta = max(slope - gamma / 2, 1e-15)
-        beta_one_way = max(_timed(there_and_back, repeats) - 2 * alpha, 1e-12) / \
+        beta_one_way = max(median_seconds(there_and_back, repeats) - 2 * alpha, 1e-12) / \
             (2 * large_bytes)
         result[:] = torch.tensor([alpha, beta, beta_one_way])
     comm.broadcast(result, a, "cost probe result")
@@ -282,7 +300,7 @@ def summing_cost(large_bytes: int = 64 << 20, repeats: int = 7) -> float:
     x, y = torch.zeros(large_bytes // 4), torch.ones(large_bytes // 4)
     x.add_(y)  # touch every page first
     comm.barrier("cost probe: start summing together")
-    cost = torch.tensor([_timed(lambda: x.add_(y), repeats) / large_bytes],
+    cost = torch.tensor([median_seconds(lambda: x.add_(y), repeats) / large_bytes],
                         dtype=torch.float64)
     comm.all_reduce(cost, "cost probe: the slowest rank's summing",
                     op=torch.distributed.ReduceOp.MAX)

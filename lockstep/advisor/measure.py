@@ -23,6 +23,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.advisor.compression import compressor_work, group_of_one
+from lockstep.advisor.costmodel import median_seconds
 from lockstep.replication import memory
 from lockstep.replication.precision import autocast
 from lockstep.replication.replica import DataParallel
@@ -177,15 +178,6 @@ def _unit_numels(model: nn.Module) -> tuple[int, ...]:
     return tuple(sum(named[n].numel() for n in unit) for unit in plan_units(model))
 
 
-def _timed(fn: Callable[[], object], repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def _outer_step_s(params: list[nn.Parameter]) -> float:
     """DiLoCo's outer step: the pseudo-gradient formed, an SGD-Nesterov step, the weights
     copied back (rounds.DiLoCo.synchronise, less its all-reduce)."""
@@ -200,4 +192,4 @@ def _outer_step_s(params: list[nn.Parameter]) -> float:
             for t, p in zip(theta, params, strict=True):
                 p.copy_(t)
 
-    return _timed(step, 3)
+    return median_seconds(step, 3)

@@ -36,12 +36,10 @@ from lockstep.advisor.wire import (
 )
 from lockstep.lowcomm.rounds import DiLoCoConfig, LocalSGDConfig
 from lockstep.replication.buckets import (
-    DEFAULT_FIRST_BUCKET_BYTES,
     MB,
     ParamSlot,
     default_bucket_mb,
-    plan_buckets,
-    reverse_registration_order,
+    plan_before_backward,
 )
 from lockstep.replication.compress import PowerSGD, TopK
 from lockstep.replication.sync import SyncConfig
@@ -152,10 +150,7 @@ def _buckets(model: ModelCost, config: Any) -> list[tuple[int, ...]]:
     algorithm = getattr(config, "algorithm", "native")
     cap = config.bucket_mb or default_bucket_mb(algorithm)
     slots = [ParamSlot(i, n, "float", model.element_size) for i, n in enumerate(model.numels)]
-    order = reverse_registration_order(len(slots))
-    return [spec.param_indices for spec in plan_buckets([slots[i] for i in order],
-                                                         int(cap * MB),
-                                                         DEFAULT_FIRST_BUCKET_BYTES)]
+    return [spec.param_indices for spec in plan_before_backward(slots, int(cap * MB))]
 
 
 def _sizes(model: ModelCost, buckets: list[tuple[int, ...]]) -> list[int]:

@@ -13,15 +13,12 @@ here, a curve no alpha-beta line follows.
 from __future__ import annotations
 
 import bisect
-import statistics
-import time
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
 from lockstep import comm
-from lockstep.advisor.costmodel import bus_bandwidth, time_reduction
+from lockstep.advisor.costmodel import bus_bandwidth, slowest_median, time_reduction
 from lockstep.replication.choices import make_algorithm
 from lockstep.replication.compress import HALF_DTYPES
 
@@ -103,7 +100,7 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
     for kind, sizes in wanted.items():
         if kind.startswith(ALL_REDUCE) and len(kind.split()) == 3:  # a 16-bit buffer
             dtype = HALF_DTYPES[kind.split()[2]]
-            timed[kind] = {n: _time(_all_reduce(n, dtype), budget_s) for n in sizes}
+            timed[kind] = {n: slowest_median(_all_reduce(n, dtype), budget_s, 100) for n in sizes}
         elif kind.startswith(ALL_REDUCE):
             algorithm = make_algorithm(kind.split()[1], None, local_world_size)
             try:
@@ -113,7 +110,7 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
         else:
             start = {REDUCE_SCATTER: _reduce_scatter, ALL_GATHER: _all_gather,
                      GATHER_SHARDS: _gather_shards}[kind]
-            timed[kind] = {n: _time(start(n), budget_s) for n in sizes}
+            timed[kind] = {n: slowest_median(start(n), budget_s, 100) for n in sizes}
     return WireCost(timed, comm.size_of(), local_world_size)
 
 
@@ -141,20 +138,3 @@ def _all_gather(nbytes: int) -> Callable[[], object]:
 def _gather_shards(nbytes: int) -> Callable[[], object]:
     whole, _ = _buffers(nbytes)
     return lambda: comm.gather_shards_async(whole, "advisor: shard gather probe").wait()
-
-
-def _time(run: Callable[[], object], budget_s: float, most: int = 100) -> float:
-    """Median seconds of `run` (the slowest rank's, every rank starting together), over
-    repeats within `budget_s`, the first (warming) one left out. Collective."""
-    times: list[float] = []
-    spent, repeats = 0.0, 0
-    while repeats < 3 or (spent < budget_s and repeats < most):
-        comm.barrier("advisor: start together")
-        started = time.perf_counter()
-        run()
-        elapsed = torch.tensor([time.perf_counter() - started])
-        comm.all_reduce(elapsed, "advisor: the slowest rank", op=dist.ReduceOp.MAX)
-        if repeats:
-            times.append(elapsed.item())
-        spent, repeats = spent + elapsed.item(), repeats + 1
-    return statistics.median(times)

@@ -100,6 +100,14 @@ def reverse_registration_order(num_params: int) -> list[int]:
     return list(range(num_params - 1, -1, -1))
 
 
+def plan_before_backward(slots: Sequence[ParamSlot], cap_bytes: int,
+                         first_cap_bytes: int = DEFAULT_FIRST_BUCKET_BYTES) -> list[BucketSpec]:
+    """The buckets of `slots` (in registration order) before any backward has been seen:
+    filled in reverse registration order, the order gradients usually arrive in."""
+    order = reverse_registration_order(len(slots))
+    return plan_buckets([slots[i] for i in order], cap_bytes, first_cap_bytes)
+
+
 def arrival_order(arrived: Sequence[int], num_params: int) -> list[int]:
     """The order gradients actually arrived, completed by the ones that never did (unused
     parameters) in reverse registration order, so every parameter has a place."""

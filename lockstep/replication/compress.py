@@ -27,6 +27,7 @@ step count, PowerSGD's Q, and each rank's own error feedback -- it offers a chec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -168,10 +169,7 @@ class PowerSGD(Compression):
         self._qs: dict[int, torch.Tensor] = {}      # last step's Q (the same everywhere)
 
     def _compressible(self, view: torch.Tensor) -> bool:
-        if view.dim() < 2:
-            return False
-        rows, cols = view.shape[0], view.numel() // view.shape[0]
-        return rows * cols >= self.min_compression * self.rank * (rows + cols)
+        return powersgd_compresses(tuple(view.shape), self.rank, self.min_compression)
 
     def compress_bucket(self, bucket: Bucket) -> None:
         label = bucket.label
@@ -248,6 +246,15 @@ def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy `flat`, laid out as torch.cat of the flattened `tensors`, back into them
     (widening it to their dtype if it travelled narrower)."""
     torch._foreach_copy_(tensors, list(_unflatten_dense_tensors(flat, tensors)))
+
+
+def powersgd_compresses(shape: tuple[int, ...], rank: int, min_compression: float) -> bool:
+    """Whether PowerSGD sends a gradient of `shape` as rank-`rank` factors: a matrix (rows x
+    the rest) that they shrink at least `min_compression` times."""
+    if len(shape) < 2 or shape[0] == 0:
+        return False
+    rows, cols = shape[0], math.prod(shape) // shape[0]
+    return rows * cols >= min_compression * rank * (rows + cols)
 
 
 class TopK(Compression):

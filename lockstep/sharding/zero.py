@@ -48,8 +48,7 @@ from lockstep.comm import timeline
 from lockstep.replication.buckets import (
     BucketSpec,
     ParamSlot,
-    plan_buckets,
-    reverse_registration_order,
+    plan_before_backward,
 )
 from lockstep.replication.reduction import Bucket, Done, Handle, Reduction
 
@@ -285,8 +284,7 @@ def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_by
     else:
         slots = [ParamSlot(i, p.numel(), str(p.dtype), p.element_size())
                  for i, (_, p) in enumerate(named)]
-        order = reverse_registration_order(len(named))
-        specs = plan_buckets([slots[i] for i in order], bucket_cap_bytes, first_bucket_bytes)
+        specs = plan_before_backward(slots, bucket_cap_bytes, first_bucket_bytes)
         layout = [[named[i][0] for i in spec.param_indices] for spec in specs]
     return [_new_group(k, [(n, by_name[n]) for n in names], rank, world_size,
                        sharded_params=stage == 3, mirrored=mirrored)
