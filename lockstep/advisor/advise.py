@@ -74,7 +74,8 @@ class Advice:
                         "as sync")
         else:
             said.append(f"keep the default: no mode is predicted more than {WITHIN - 1:.0%} "
-                        f"faster, no exact one more than {CLEARLY - 1:.0%}")
+                        "faster than an exact one, and no exact one more than "
+                        f"{CLEARLY - 1:.0%} faster than the default")
         if best.mode.fidelity != EXACT:
             said.append(f"its trade: {TRADE[best.mode.fidelity]}")
         if sync.fits:
