@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.elastic import Elastic, ElasticConfig
     from lockstep.lowcomm.paramserver import AsyncConfig
     from lockstep.lowcomm.rounds import DiLoCo, DiLoCoConfig, LocalSGD, LocalSGDConfig
+    from lockstep.lowcomm.streaming import StreamingDiLoCo, StreamingDiLoCoConfig
     from lockstep.optim import LAMB, LARS, LRSchedule
     from lockstep.replication.algorithms import AllReduce
     from lockstep.replication.compress import PowerSGD, TopK
@@ -93,6 +94,8 @@ _WHERE = {
     "PowerSGD": "lockstep.replication.compress",
     "Reduction": "lockstep.replication.reduction",
     "ShardConfig": "lockstep.sharding.sharded",
+    "StreamingDiLoCo": "lockstep.lowcomm.streaming",
+    "StreamingDiLoCoConfig": "lockstep.lowcomm.streaming",
     "ShardedDataParallel": "lockstep.sharding.sharded",
     "ShardedSampler": "lockstep.training.sampler",
     "SyncBatchNorm": "lockstep.replication.syncbn",
@@ -164,6 +167,8 @@ __all__ = [
     "ShardConfig",
     "ShardedDataParallel",
     "ShardedSampler",
+    "StreamingDiLoCo",
+    "StreamingDiLoCoConfig",
     "SyncBatchNorm",
     "SyncConfig",
     "TopK",

@@ -163,6 +163,7 @@ def test_a_mode_and_its_fields_are_set_in_one_command_in_any_order() -> None:
         "parallel.outer_lr=0.5", "parallel.mode=diloco", "parallel.sync_every=5"]).parallel
     assert diloco == lockstep.DiLoCoConfig(sync_every=5, outer_lr=0.5)
     with pytest.raises(configfile.ConfigError, match=r"SyncConfig has no field 'sync_every'; "
-                       r"mode local_sgd and diloco have it: choose the mode too, e\.g\. "
+                       r"modes local_sgd, diloco and streaming_diloco have it: choose the "
+                       r"mode too, e\.g\. "
                        r"--set trainer\.parallel\.mode=local_sgd"):
         configfile.configure(lockstep.TrainConfig(), None, ["trainer.parallel.sync_every=20"])

@@ -47,11 +47,16 @@ MODES: dict[str, Any] = {
     "topk": lambda: lockstep.SyncConfig(compress=lockstep.TopK(ratio=0.1)),
     "local_sgd": lambda: lockstep.LocalSGDConfig(sync_every=5),
     "diloco": lambda: lockstep.DiLoCoConfig(sync_every=5),
+    # fragments sent at steps 2, 4, 6, 8, 10...: one is in flight at the step-10 checkpoint
+    "streaming": lambda: lockstep.StreamingDiLoCoConfig(sync_every=6, fragments=3),
+    "streaming_int4": lambda: lockstep.StreamingDiLoCoConfig(
+        sync_every=6, fragments=3, overlap=2, wire="int4", error_feedback=True),
     "sync": lambda: lockstep.SyncConfig(),  # nothing per rank: any world size resumes it
 }
 
 
-@pytest.mark.parametrize("mode", ["powersgd", "topk", "local_sgd", "diloco"])
+@pytest.mark.parametrize("mode", ["powersgd", "topk", "local_sgd", "diloco", "streaming",
+                                  "streaming_int4"])
 def test_interrupted_run_resumes_bitwise(world2: World, tmp_path: Path, mode: str) -> None:
     for resumed, whole in world2.run(interrupted_and_whole, str(tmp_path), mode):
         assert resumed == whole
@@ -76,6 +81,8 @@ LOST = {"powersgd": "each rank starts its error feedback from zero, so training 
                     "but not bitwise",
         "local_sgd": "each rank takes rank 0's optimizer state (local rounds), so training "
                      "goes on, but not bitwise",
+        "streaming": "each rank takes rank 0's optimizer state (local rounds) and takes rank "
+                     "0's parameters (streaming DiLoCo's differ per rank between syncs), so",
         "sync": None}  # the optimizer state is the same on every rank: nothing is lost
 
 

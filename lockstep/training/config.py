@@ -7,7 +7,8 @@
 The Trainer's own settings (the global batch, the schedule, precision, evaluation, logging)
 sit at the top. How the model is made parallel is one nested config from the module that
 does it -- SyncConfig (sync.py), ShardConfig (sharded.py), LocalSGDConfig and DiLoCoConfig
-(lowcomm.py), AsyncConfig (paramserver.py, for AsyncTrainer) -- and the checkpoints' is
+(lowcomm/rounds.py), StreamingDiLoCoConfig (lowcomm/streaming.py), AsyncConfig
+(paramserver.py, for AsyncTrainer) -- and the checkpoints' is
 CheckpointConfig (resume.py). Each validates itself.
 """
 
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from lockstep.elastic.config import ElasticConfig
 from lockstep.lowcomm.paramserver import AsyncConfig
 from lockstep.lowcomm.rounds import DiLoCoConfig, LocalSGDConfig
+from lockstep.lowcomm.streaming import StreamingDiLoCoConfig
 from lockstep.optim import LRSchedule, goyal_schedule
 from lockstep.replication.precision import check_precision
 from lockstep.replication.sync import SyncConfig
@@ -25,9 +27,10 @@ from lockstep.sharding.sharded import ShardConfig
 from lockstep.training import trackers
 from lockstep.training.resume import CheckpointConfig
 
-ParallelConfig = SyncConfig | ShardConfig | LocalSGDConfig | DiLoCoConfig | AsyncConfig
+ParallelConfig = (SyncConfig | ShardConfig | LocalSGDConfig | DiLoCoConfig |
+                  StreamingDiLoCoConfig | AsyncConfig)
 PARALLEL_CONFIGS: tuple[type, ...] = (SyncConfig, ShardConfig, LocalSGDConfig, DiLoCoConfig,
-                                      AsyncConfig)
+                                      StreamingDiLoCoConfig, AsyncConfig)
 
 
 @dataclass
@@ -78,7 +81,8 @@ class TrainConfig:
     "tensorboard", "mlflow", "wandb" (offline by default; see trackers.py)."""
     parallel: ParallelConfig = field(default_factory=SyncConfig)
     """How replicas are kept in step: SyncConfig (every step), ShardConfig (ZeRO),
-    LocalSGDConfig or DiLoCoConfig (every few steps); AsyncConfig with AsyncTrainer."""
+    LocalSGDConfig, DiLoCoConfig or StreamingDiLoCoConfig (every few steps); AsyncConfig
+    with AsyncTrainer."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When checkpoints are written, how many are kept, and what to resume from."""
     timeline: str | None = None

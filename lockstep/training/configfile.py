@@ -210,9 +210,11 @@ def _check_fields_of_mode(chosen: type, values: dict[str, Any], options: list[ty
                   if c is not chosen and name in {f.name for f in dataclasses.fields(c)}]
         if name not in names and others:
             field = where.rpartition(": ")[2]
+            listed = f" {others[0]}" if len(others) == 1 else \
+                f"s {', '.join(others[:-1])} and {others[-1]}"
             raise ConfigError(
-                f"{where}: {chosen.__name__} has no field {name!r}; mode "
-                f"{' and '.join(others)} {'has' if len(others) == 1 else 'have'} it: choose "
+                f"{where}: {chosen.__name__} has no field {name!r}; mode{listed} "
+                f"{'has' if len(others) == 1 else 'have'} it: choose "
                 f"the mode too, e.g. --set trainer.{field}.mode={others[0]} (in any order)")
 
 

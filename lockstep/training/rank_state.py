@@ -44,10 +44,14 @@ def for_files(bundle: dict[str, Any], own_optimizer: bool,
     rank = dist.get_rank()
     same = saved_ranks in (None, dist.get_world_size())
     extra = bundle.get("extra", {})
-    feedback = any(k.startswith(PER_RANK) for k in extra)
-    if not same and rank == 0 and (feedback or own_optimizer):  # (else nothing is per rank)
+    own_params = any(k.startswith(f"{PER_RANK}streaming.local.") for k in extra)
+    feedback = any(k.startswith(PER_RANK) and not k.startswith(f"{PER_RANK}streaming.local.")
+                   for k in extra)
+    if not same and rank == 0 and (feedback or own_optimizer or own_params):  # else none
         lost = [what for what, held in (("takes rank 0's optimizer state (local rounds)",
                                          own_optimizer),
+                                        ("takes rank 0's parameters (streaming DiLoCo's "
+                                         "differ per rank between syncs)", own_params),
                                         ("starts its error feedback from zero", feedback))
                 if held]
         log.warning("the checkpoint was written by %d rank(s) and this run has %d: each rank "

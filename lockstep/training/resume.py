@@ -126,6 +126,9 @@ class Checkpoints:
                                 verified=self.config.resume == "auto", check=self.state_problem,
                                 own_optimizer=self._own_optimizer)
         self._check_resumable(folder, saved)
+        loaded = getattr(self.model, "loaded", None)  # a wrapper taking up its own state
+        if loaded is not None:
+            loaded(own_state=saved["world_size"] == self.world.world_size)
         state = RunState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                          history=saved["history"])
         if self.scheduler is not None and saved["scheduler"] is not None:

@@ -1,0 +1,342 @@
+"""Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose exchanges trickle instead of burst.
+
+DiLoCo stops every rank each H steps while the whole model's pseudo-gradient crosses the
+link. Streaming DiLoCo changes three things:
+
+- **Fragments.** The model is cut into P fragments (contiguous groups of layers, balanced by
+  size). Each fragment has its own round of H steps, staggered by H/P: fragment p is sent
+  at steps (p+1)·H/P, then every H. The link carries one fragment at a time, so its peak use
+  is a fragment wide, not a model wide.
+- **Overlap.** A fragment's exchange is launched (an asynchronous collective: the backend's
+  threads carry it) and training goes on; `overlap` (tau) steps later its average arrives and
+  the outer step is taken on it. The rank kept training meanwhile, so the new shared
+  parameters are mixed into the local ones: local = mixing·local + (1-mixing)·shared
+  (mixing 0 takes the shared ones, as DiLoCo does).
+- **Fewer bits.** The pseudo-gradient may be sent as bf16, fp8 (e4m3) or 4-bit integers with
+  a scale per block (wireformat.py); every rank decodes and averages in fp32. With error
+  feedback a rank keeps what rounding took and sends it with the fragment's next exchange.
+
+With one fragment, no overlap and mixing 0 this is DiLoCo, step for step (a test holds it to
+that). A checkpoint may be written at any step: an exchange in flight is waited for and its
+average saved, to be applied at the step it was due; each rank's own parameters (replicas
+differ between a fragment's syncs) are saved per rank.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from lockstep import comm
+from lockstep.comm import timeline
+from lockstep.lowcomm import wireformat
+from lockstep.lowcomm.rounds import DiLoCo
+from lockstep.replication.choices import refusing
+from lockstep.replication.compress import PER_RANK
+
+WIRES = ("full", *wireformat.FORMATS)
+
+
+def plan_fragments(unit_numels: list[int], fragments: int) -> list[range]:
+    """Cut units (layers, in order; their sizes) into `fragments` contiguous runs of nearly
+    equal size: run k ends at the unit boundary nearest k/fragments of the total."""
+    if not 1 <= fragments <= len(unit_numels):
+        raise ValueError(f"streaming DiLoCo needs 1 <= fragments <= the model's "
+                         f"{len(unit_numels)} layers with parameters; got {fragments}")
+    cumulative, bounds = list(itertools.accumulate(unit_numels)), [0]
+    for k in range(1, fragments):
+        target = cumulative[-1] * k / fragments
+        ends = range(bounds[-1] + 1, len(unit_numels) - (fragments - k) + 1)  # none empty
+        bounds.append(min(ends, key=lambda end: abs(cumulative[end - 1] - target)))
+    bounds.append(len(unit_numels))
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def layer_units(module: nn.Module) -> list[list[int]]:
+    """The module's parameters (indices into .parameters()) grouped by the layer owning them."""
+    units: dict[str, list[int]] = {}
+    for index, (name, _) in enumerate(module.named_parameters()):
+        units.setdefault(name.rpartition(".")[0], []).append(index)
+    return list(units.values())
+
+
+@dataclass
+class _Exchange:
+    """One fragment's pseudo-gradient on its way: sent at one step, applied at `due`."""
+
+    due: int
+    pending: comm.Pending | None
+    received: torch.Tensor  # the all-reduced sum, or every rank's encoded bytes
+    numel: int
+    averaged: torch.Tensor | None = None  # once waited for
+
+
+class StreamingDiLoCo(DiLoCo):
+    """DiLoCo with fragments synced on staggered rounds, overlapped and quantised.
+
+    Args:
+        module: the model, identical on every rank (rank 0's is broadcast).
+        every: inner steps per fragment's round (H).
+        fragments: how many fragments (P <= H); each is a run of whole layers.
+        overlap: steps between sending a fragment and applying its average (tau < H).
+        mixing: the share of this rank's own parameters kept when the average is applied.
+        wire: "full" (the parameters' dtype, all-reduced), "bf16", "e4m3" or "int4".
+        error_feedback: keep what the wire format rounded off and send it next time.
+        outer_lr, outer_momentum, nesterov: the outer SGD (the paper: 0.7, 0.9, True).
+    """
+
+    def __init__(self, module: nn.Module, every: int = 50, fragments: int = 4,
+                 overlap: int = 1, mixing: float = 0.5, wire: str = "full",
+                 error_feedback: bool = False, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True,
+                 group: comm.Group = None) -> None:
+        _check(every, fragments, overlap, mixing, wire)
+        super().__init__(module, every, outer_lr, outer_momentum, nesterov, group=group)
+        self.overlap, self.mixing, self.wire = overlap, mixing, wire
+        units = layer_units(module)
+        self.fragments = [[i for j in run for i in units[j]] for run in
+                          plan_fragments([sum(self.theta[i].numel() for i in u)
+                                          for u in units], fragments)]
+        self.offsets = [(k + 1) * every // fragments for k in range(fragments)]
+        self.in_flight: dict[int, _Exchange] = {}
+        self._applied_at = [-1] * fragments  # the step each fragment last took an average
+        self.residuals = ([torch.zeros(self._numel(k), dtype=torch.float32)
+                           for k in range(fragments)] if error_feedback else None)
+        self._saved: dict[str, torch.Tensor] = {}  # checkpoint_tensors' buffers, reused
+
+    # -- the schedule -------------------------------------------------------------------
+
+    def sends_at(self, step: int) -> list[int]:
+        """The fragments whose round ends at inner step `step`."""
+        return [k for k, first in enumerate(self.offsets)
+                if step >= first and (step - first) % self.every == 0]
+
+    def after_step(self) -> None:
+        self.local_steps += 1
+        self.synchronise()
+        if self.local_steps % self.every == 0:  # bytes per step over the last H steps
+            full = sum(p.numel() * p.element_size() for p in self.module.parameters())
+            alone = comm.size_of(self.group) == 1
+            self.stats = {"bytes_sent": 0.0 if alone else self._round_bytes / self.every,
+                          "bytes_uncompressed": float(full)}
+            self._round_bytes = 0
+
+    def synchronise(self) -> None:
+        """This inner step's exchanges: send the fragments whose round ends now, apply the
+        averages due now. (Elastic calls it again after a failed step: an exchange lost
+        with a peer was dropped, never half-applied, and its fragment is sent again.)"""
+        step = self.local_steps
+        for k in self.sends_at(step):
+            if k not in self.in_flight:
+                self._send(k, due=step + self.overlap)
+        for k in sorted(k for k, exchange in self.in_flight.items() if exchange.due == step):
+            self._take_average(k, self.mixing)
+
+    def in_sync(self) -> bool:
+        """Always: what the replicas share (the outer parameters and momenta) agrees at every
+        step, and a checkpoint can be written at any step (see checkpoint_tensors)."""
+        return True
+
+    def finish(self) -> None:
+        """End of training: apply what is in flight, then sync every fragment that trained
+        since it last took the shared parameters, and take them, so every replica ends
+        identical. (A fragment that took them this very step is left: another outer step
+        on its zero pseudo-gradient would still move it, by the momentum.)"""
+        for k in sorted(self.in_flight, key=lambda k: self.in_flight[k].due):
+            self._take_average(k, self.mixing)
+        for k in range(len(self.fragments)):
+            if not (self.mixing == 0 and self._applied_at[k] == self.local_steps):
+                self._send(k, due=self.local_steps)
+                self._take_average(k, mixing=0.0)
+
+    # -- one fragment's exchange ---------------------------------------------------------
+
+    def _numel(self, k: int) -> int:
+        return sum(self.theta[i].numel() for i in self.fragments[k])
+
+    def _send(self, k: int, due: int) -> None:
+        params = list(self.module.parameters())
+        with torch.no_grad():
+            delta = torch.cat([(self.theta[i].detach() - params[i].detach().to(
+                self.theta[i].dtype)).reshape(-1) for i in self.fragments[k]])
+        what = f"streaming DiLoCo fragment {k} exchange"
+        with timeline.span(f"{what} sent", "comm"):
+            if self.wire == "full":
+                pending = comm.all_reduce_async(delta, what, self.group)
+                received, sent = delta, delta.numel() * delta.element_size()
+            else:
+                received, pending, sent = self._send_encoded(k, delta, what)
+        self._round_bytes += sent
+        self.in_flight[k] = _Exchange(due, pending, received, delta.numel())
+        if k == len(self.fragments) - 1:  # buffers (BatchNorm's statistics): once a round
+            self._average(list(self.module.buffers()), "streaming DiLoCo buffer average")
+
+    def _send_encoded(self, k: int, delta: torch.Tensor,
+                      what: str) -> tuple[torch.Tensor, comm.Pending, int]:
+        if self.residuals is not None:
+            delta = delta.float() + self.residuals[k]
+        payload = wireformat.encode(self.wire, delta)
+        if self.residuals is not None:  # what rounding took, sent with the next exchange
+            self.residuals[k].copy_(delta - wireformat.decode(self.wire, payload, delta.numel()))
+        received = payload.new_empty(payload.numel() * comm.size_of(self.group))
+        return received, comm.all_gather_async(received, payload, what, self.group), \
+            payload.numel()
+
+    def _arrived(self, k: int) -> torch.Tensor:
+        """Fragment k's average pseudo-gradient, waited for once."""
+        exchange = self.in_flight[k]
+        if exchange.averaged is None:
+            if exchange.pending is not None:
+                try:
+                    exchange.pending.wait()
+                except Exception:
+                    del self.in_flight[k]  # dropped whole: the fragment goes again
+                    raise
+            size = comm.size_of(self.group)
+            if self.wire == "full":
+                total = exchange.received
+            else:  # every rank's bytes, decoded and summed in fp32 (in rank order)
+                parts = exchange.received.chunk(size)
+                total = wireformat.decode(self.wire, parts[0], exchange.numel)
+                for part in parts[1:]:
+                    total += wireformat.decode(self.wire, part, exchange.numel)
+            exchange.averaged = total.div_(size)
+        return exchange.averaged
+
+    def _take_average(self, k: int, mixing: float) -> None:
+        """The outer step on fragment k's average, mixed into this rank's parameters."""
+        with timeline.span(f"streaming DiLoCo fragment {k} applied", "comm"):
+            averaged = self._arrived(k)
+            del self.in_flight[k]
+        self._applied_at[k] = self.local_steps
+        mine = [self.theta[i] for i in self.fragments[k]]
+        for t, piece in zip(mine, averaged.split([t.numel() for t in mine]), strict=True):
+            t.grad = piece.view_as(t).to(t.dtype)
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)  # the next step is another fragment's
+        params = list(self.module.parameters())
+        with torch.no_grad():
+            for i in self.fragments[k]:
+                shared = self.theta[i].to(params[i].dtype)
+                if mixing == 0:
+                    params[i].copy_(shared)
+                else:
+                    params[i].lerp_(shared, 1 - mixing)
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """DiLoCo's outer state, and: the step in the schedule; each exchange in flight,
+        waited for, as its average and the step it is due at; this rank's own parameters
+        and error feedback (per rank). Loaded in place, then taken up by `loaded`."""
+        tensors = super().checkpoint_tensors()
+        saved = self._kept()
+        saved["streaming.step"].fill_(self.local_steps)
+        saved["streaming.due"].fill_(-1)
+        for k in list(self.in_flight):
+            start = sum(self._numel(j) for j in range(k))
+            saved["streaming.arrived"][start:start + self._numel(k)].copy_(self._arrived(k))
+            saved["streaming.due"][k] = self.in_flight[k].due
+        for i, p in enumerate(self.module.parameters()):
+            saved[f"{PER_RANK}streaming.local.{i}"].copy_(p.detach())
+        return {**tensors, **saved}
+
+    def _kept(self) -> dict[str, torch.Tensor]:
+        if not self._saved:
+            total = sum(self._numel(k) for k in range(len(self.fragments)))
+            dtype = self.theta[0].dtype if self.wire == "full" else torch.float32
+            self._saved = {"streaming.step": torch.zeros(1, dtype=torch.int64),
+                           "streaming.due": torch.zeros(len(self.fragments), dtype=torch.int64),
+                           "streaming.arrived": torch.zeros(total, dtype=dtype)}
+            for i, p in enumerate(self.module.parameters()):
+                self._saved[f"{PER_RANK}streaming.local.{i}"] = torch.empty_like(p.detach())
+            for k, residual in enumerate(self.residuals or []):
+                self._saved[f"{PER_RANK}streaming.feedback.{k}"] = residual
+        return self._saved
+
+    def loaded(self, own_state: bool) -> None:
+        """After a checkpoint was loaded into checkpoint_tensors(): resume the schedule and
+        the exchanges in flight; with `own_state` (the same world size wrote it) each rank
+        takes back its own parameters, else every rank goes on from rank 0's."""
+        saved = self._kept()
+        self.local_steps = int(saved["streaming.step"].item())
+        self.in_flight.clear()
+        start = 0
+        for k in range(len(self.fragments)):
+            numel, due = self._numel(k), int(saved["streaming.due"][k].item())
+            if due >= 0:
+                averaged = saved["streaming.arrived"][start:start + numel].clone()
+                self.in_flight[k] = _Exchange(due, None, averaged, numel, averaged)
+            start += numel
+        if own_state:
+            with torch.no_grad():
+                for i, p in enumerate(self.module.parameters()):
+                    p.copy_(saved[f"{PER_RANK}streaming.local.{i}"])
+        elif self.residuals is not None:
+            for residual in self.residuals:
+                residual.zero_()
+
+    def replicated_tensors(self) -> dict[str, torch.Tensor]:
+        """What every replica holds identically at every step: the outer parameters and
+        momenta (each rank's own parameters differ between a fragment's syncs)."""
+        return {f"outer state '{k}'": t for k, t in super().checkpoint_tensors().items()}
+
+    def close(self) -> None:
+        """Drop what is in flight (its group may be gone: a regroup closes the wrapper)."""
+        self.in_flight.clear()
+
+
+def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str) -> None:
+    if every < fragments or fragments < 1:
+        raise ValueError(f"streaming DiLoCo staggers its fragments over a round: it needs "
+                         f"1 <= fragments <= sync_every; got {fragments} and {every}")
+    if not 0 <= overlap < every:
+        raise ValueError(f"streaming DiLoCo's overlap must be 0 <= overlap < sync_every (a "
+                         f"fragment's average arrives before its next round); got {overlap}")
+    if not 0 <= mixing < 1:
+        raise ValueError(f"mixing must be 0 <= mixing < 1 (the share of the rank's own "
+                         f"parameters kept); got {mixing}")
+    if wire not in WIRES:
+        raise ValueError(f"unknown wire {wire!r}: choose one of {', '.join(WIRES)}")
+
+
+@refusing(compress="streaming DiLoCo sends one fragment's pseudo-gradient at a time: "
+                   "wire='bf16', 'e4m3' or 'int4' sends it in fewer bits; PowerSGD and TopK "
+                   "compress SyncConfig's per-step gradients")
+@dataclass
+class StreamingDiLoCoConfig:
+    """Streaming DiLoCo as a training mode: fragments of the model synced on staggered
+    rounds of `sync_every` steps, each exchange overlapped with the next inner steps."""
+
+    mode: ClassVar[str] = "streaming_diloco"
+    sync_every: int = 50
+    """Inner steps per fragment's round (H)."""
+    fragments: int = 4
+    """How many fragments the model is cut into (runs of whole layers)."""
+    overlap: int = 1
+    """Steps between sending a fragment and applying its average (tau)."""
+    mixing: float = 0.5
+    """The share of a rank's own parameters kept when a fragment's average is applied."""
+    wire: str = "full"
+    """How pseudo-gradients travel: "full" precision, "bf16", "e4m3" or "int4"."""
+    error_feedback: bool = False
+    """Send what the wire format rounded off with the fragment's next exchange."""
+    outer_lr: float = 0.7
+    """The outer learning rate."""
+    outer_momentum: float = 0.9
+    """The outer Nesterov momentum (0: plain SGD)."""
+
+    def validate(self) -> None:
+        _check(self.sync_every, self.fragments, self.overlap, self.mixing, self.wire)
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"streaming DiLoCo needs outer_lr > 0 and 0 <= outer_momentum "
+                             f"< 1; got {self.outer_lr} and {self.outer_momentum}")
+
+    def build(self, module: nn.Module) -> StreamingDiLoCo:
+        return StreamingDiLoCo(module, self.sync_every, self.fragments, self.overlap,
+                               self.mixing, self.wire, self.error_feedback, self.outer_lr,
+                               self.outer_momentum)
