@@ -10,10 +10,15 @@ same global batch (48):
     local SGD (H=10)    parameters averaged every 10 steps
     DiLoCo (H=50)       an outer Nesterov step on the averaged pseudo-gradient every 50
     async (bound 4)     a parameter server on rank 0, 3 workers
+    streaming (H=50)    streaming DiLoCo: 3 fragments on staggered rounds of 50, each
+                        exchange overlapped with the next 8 steps (and in int4, 4 steps)
+    no-comm ceiling     the same steps with no collective: the fastest any mode could be
 
 For each: wall-clock seconds until the training loss (averaged over 5 steps and all ranks)
-first reaches the target, and bytes each rank sends per step. Prints a table and the
-issue's ratios, and writes low_comm.png (loss against time). Needs root.
+first reaches the target, seconds per step, bytes each rank sends per step, and the peak
+rate host 0's link carried (its counter read every 50 ms, the most over any half second).
+Prints a table and the issue's ratios, and writes low_comm.png (loss against time, and the
+link's use over time). Needs root.
 
 The default model is an MLP (784-1024-1024-10, 1.9M parameters): 7.5 MB of gradient for
 little compute, the regime these modes are for, where the link sets the pace. `--model
@@ -26,10 +31,12 @@ cores is a large part of a synchronous step and so caps what any mode can gain.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -40,8 +47,7 @@ from torch import nn
 import lockstep
 from lockstep.demo.data import mnist
 from lockstep.demo.models import small_cnn
-from lockstep.tools.bench import run_on_cluster
-from lockstep.tools.cluster import cluster_available
+from lockstep.tools.cluster import Cluster, cluster_available
 from lockstep.training import configfile
 from lockstep.training.runlog import read_metrics
 
@@ -53,7 +59,15 @@ MODES: dict[str, dict[str, Any]] = {
     "local SGD (H=10)": {"parallel": {"mode": "local_sgd", "sync_every": 10}},
     "DiLoCo (H=50)": {"parallel": {"mode": "diloco", "sync_every": 50}},
     "async (bound 4)": {"parallel": {"mode": "async", "max_staleness": 4}},
+    "streaming (H=50)": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
+                                      "fragments": 3, "overlap": 8}},
+    "streaming int4 (H=50)": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
+                                           "fragments": 3, "overlap": 4, "wire": "int4"}},
+    # the same steps with no collective at all (each rank trains on its own share; one
+    # average after the last step): the fastest any mode could be
+    "no-comm ceiling": {"parallel": {"mode": "local_sgd", "sync_every": 10 ** 9}},
 }
+SAMPLE_S = 0.05  # how often the link's byte counter is read
 
 
 def build(model: str) -> nn.Module:
@@ -92,6 +106,42 @@ def time_to_target(run_dir: Path, started: float, target: float) -> tuple[float,
     return reached, times, losses
 
 
+def run_watching_link(bandwidth: str, result: Path, args: list[str]
+                      ) -> tuple[Any, list[tuple[float, int]]]:
+    """One job on 2 hosts x 2 processes, and host 0's link counter every SAMPLE_S seconds:
+    (time, bytes host 0 has sent)."""
+    link: list[tuple[float, int]] = []
+    with Cluster(hosts=2, bandwidth=bandwidth) as cluster:
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(SAMPLE_S):
+                link.append((time.time(), cluster.sent_bytes(0)))
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            hosts = cluster.run_job(2, os.path.abspath(__file__), args, port=29430)
+        finally:
+            done.set()
+            watcher.join()
+    if any(host.returncode for host in hosts):
+        for host in hosts:
+            print(host.stderr[-3000:], file=sys.stderr)
+        return None, link
+    return json.loads(result.read_text()), link
+
+
+def peak_rate(link: list[tuple[float, int]], window_s: float = 0.5) -> float:
+    """The most bytes per second host 0 sent over any `window_s` (Mbit/s)."""
+    best = 0.0
+    for i, (t, sent) in enumerate(link):
+        later = [(u, b) for u, b in link[i + 1:] if u - t <= window_s]
+        if later:
+            best = max(best, (later[-1][1] - sent) / (later[-1][0] - t))
+    return best * 8 / 1e6
+
+
 def bytes_per_step(run_dir: Path) -> float:
     sent = [r.get("bytes_sent") for r in read_metrics(run_dir) if r["kind"] == "train"]
     sent = [s for s in sent if s]
@@ -123,16 +173,17 @@ def main() -> int:
         result = out / f"{mode.split()[0].replace('+', '')}-{len(rows)}.json"
         print(f"{mode} ...", flush=True)
         shutil.rmtree(result.parent / result.stem, ignore_errors=True)  # a fresh run each time
-        saved = run_on_cluster(args.bandwidth, 2, os.path.abspath(__file__),
-                               ["--worker", mode, str(result), "--epochs", str(args.epochs),
-                                "--model", args.model], 29430, result)
+        saved, link = run_watching_link(args.bandwidth, result, [
+            "--worker", mode, str(result), "--epochs", str(args.epochs), "--model", args.model])
         if saved is None:
             continue
         run_dir = result.parent / result.stem
         reached, times, losses = time_to_target(run_dir, saved["started"], args.target)
+        link = [(t - saved["started"], sent) for t, sent in link]
         rows[mode] = {"seconds": reached, "bytes": bytes_per_step(run_dir),
                       "accuracy": saved["summary"]["test_accuracy"], "times": times,
-                      "losses": losses}
+                      "losses": losses, "per_step": times[-1] / saved["summary"]["steps"],
+                      "link": link, "peak": peak_rate(link)}
     report(rows, args.target, args.bandwidth, args.model, out)
     return 0
 
@@ -140,9 +191,21 @@ def main() -> int:
 def report(rows: dict[str, dict[str, Any]], target: float, bandwidth: str, model: str,
            out: Path) -> None:
     print(f"\n{model}, 2 hosts x 2 processes at {bandwidth}; time to training loss {target}")
-    print(f"{'mode':20s} {'to target':>10s} {'KB sent/step':>13s} {'test acc':>9s}")
+    print(f"{'mode':22s} {'to target':>10s} {'s/step':>7s} {'KB sent/step':>13s} "
+          f"{'peak Mbit/s':>12s} {'test acc':>9s}")
     for mode, r in rows.items():
-        print(f"{mode:20s} {r['seconds']:9.1f}s {r['bytes'] / 1e3:13.1f} {r['accuracy']:9.4f}")
+        print(f"{mode:22s} {r['seconds']:9.1f}s {r['per_step']:7.3f} {r['bytes'] / 1e3:13.1f} "
+              f"{r['peak']:12.1f} {r['accuracy']:9.4f}")
+    ceiling = rows.get("no-comm ceiling")
+    for mode in ("streaming (H=50)", "streaming int4 (H=50)"):
+        if ceiling and mode in rows:
+            r = rows[mode]
+            print(f"{mode} vs the no-comm ceiling: {r['per_step'] / ceiling['per_step']:.2f}x "
+                  f"its time per step, {r['seconds'] / ceiling['seconds']:.2f}x its time to "
+                  "the target (goal <= 1.2x)")
+        if "DiLoCo (H=50)" in rows and mode in rows:
+            print(f"{mode} peak link use: {rows[mode]['peak'] / rows['DiLoCo (H=50)']['peak']:.2f}"
+                  "x DiLoCo's (goal <= 0.2x)")
     if "sync fp32" in rows and "DiLoCo (H=50)" in rows:
         base, diloco = rows["sync fp32"], rows["DiLoCo (H=50)"]
         print(f"DiLoCo vs sync fp32: {base['seconds'] / diloco['seconds']:.1f}x faster to the "
@@ -153,7 +216,7 @@ def report(rows: dict[str, dict[str, Any]], target: float, bandwidth: str, model
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, wire) = plt.subplots(2, 1, figsize=(8, 8))
     for mode, r in rows.items():
         ax.plot(r["times"], r["losses"], label=mode, lw=1)
     ax.axhline(target, color="grey", ls="--", lw=0.8)
@@ -161,6 +224,15 @@ def report(rows: dict[str, dict[str, Any]], target: float, bandwidth: str, model
            title=f"{model}, 2 hosts x 2 processes, {bandwidth} link")
     ax.legend()
     ax.grid(alpha=0.3)
+    for mode, r in rows.items():  # the link's use over time: a burst per round, or a trickle
+        if "DiLoCo" in mode or "streaming" in mode:
+            link = r["link"]
+            rates = [(b2 - b1) * 8 / 1e6 / (t2 - t1)
+                     for (t1, b1), (t2, b2) in itertools.pairwise(link)]
+            wire.plot([t for t, _ in link[1:]], rates, label=mode, lw=0.8)
+    wire.set(xlabel="seconds", ylabel="Mbit/s host 0 sent", title="bytes on the wire")
+    wire.legend()
+    wire.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "low_comm.png", dpi=100)
     print(f"plot: {out / 'low_comm.png'}")

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import IO
 
@@ -108,6 +109,11 @@ class Cluster:
 
     def address(self, host: int) -> str:
         return f"{self.subnet}.{host + 1}"
+
+    def sent_bytes(self, host: int) -> int:
+        """Bytes `host` has sent on its link so far (its bridge end's receive counter)."""
+        return int(Path(f"/sys/class/net/{self._outside(host)}/statistics/rx_bytes")
+                   .read_text())
 
     # ---- lifecycle ------------------------------------------------------------------
 
