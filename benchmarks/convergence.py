@@ -6,8 +6,9 @@ samples: mixed precision (bf16, fp16), compression (PowerSGD rank 4, 8, 12 and 1
 and 12 with bf16 factors, TopK 1% and 10%, each sent whole through the learning-rate
 warm-up), and the low-communication modes (local SGD every 10 steps, DiLoCo every 50, an
 asynchronous parameter server with staleness bound 4 -- which runs 3 ranks: a server and 2
-workers), against synchronous fp32. Prints test accuracy and final test loss side by side,
-with the gap to the baseline.
+workers), streaming DiLoCo (in full precision and 4-bit) and ZeRO with int8 or bf16
+collectives, against synchronous fp32. Prints test accuracy and final test loss side by
+side, with the gap to the baseline. `--nproc 4` runs 4 workers instead of 2.
 
     python benchmarks/convergence.py                       # everything (~60 minutes)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
@@ -66,8 +67,29 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "DiLoCo-50-m.5": {"parallel": {"mode": "diloco", "sync_every": 50, "outer_lr": 1.0,
                                    "outer_momentum": 0.5}},
     "async-4": {"parallel": {"mode": "async", "max_staleness": 4}},
+    # Streaming DiLoCo: 4 fragments on staggered rounds, each exchange applied 2 steps late
+    # and mixed half into the local progress (the paper's alpha 0.5); in full precision or
+    # 4-bit, with error feedback
+    "Streaming-50": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
+                                  "fragments": 4, "overlap": 2}},
+    "Streaming-50-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
+                                       "fragments": 4, "overlap": 2, "wire": "int4",
+                                       "error_feedback": True}},
+    "Streaming-20": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
+                                  "fragments": 4, "overlap": 2}},
+    "Streaming-20-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
+                                       "fragments": 4, "overlap": 2, "wire": "int4",
+                                       "error_feedback": True}},
+    # ZeRO with its collectives in fewer bits (its fp32 counterpart: ZeRO-2, ZeRO-3)
+    "ZeRO-2": {"parallel": {"mode": "shard", "stage": 2}},
+    "ZeRO-2-int8": {"parallel": {"mode": "shard", "stage": 2, "wire": "int8",
+                                 "error_feedback": True}},
+    "ZeRO-3": {"parallel": {"mode": "shard", "stage": 3}},
+    "ZeRO-3-int8": {"parallel": {"mode": "shard", "stage": 3, "wire": "int8",
+                                 "error_feedback": True}},
+    "ZeRO-3-bf16": {"parallel": {"mode": "shard", "stage": 3, "wire": "bf16"}},
 }
-RANKS = {"async-4": 3}  # a parameter server and 2 workers
+RANKS = {"async-4": 3}  # a parameter server and 2 workers (with --nproc 2)
 TASKS = {
     # The demo's recipe (lockstep/demo.py): 6 epochs of 62 steps of 64 digits.
     "mnist": {"config": dict(global_batch_size=64, epochs=6, lr=3e-3, warmup_steps=20,
@@ -95,7 +117,7 @@ def worker(task: str, variant: str, out: Path, asked: dict[str, Any]) -> None:
     if asked["chargpt_steps"]:
         recipe["max_steps"] = asked["chargpt_steps"]  # the cosine decay stretches with it
     config = configfile.apply(lockstep.TrainConfig(
-        **recipe, run_dir=str(out.parent / variant), progress=False, log_every_steps=10,
+        **recipe, run_dir=str(out.parent / out.stem), progress=False, log_every_steps=10,
         checkpoint=lockstep.CheckpointConfig(resume="never")),
         _resolved(VARIANTS[variant], recipe["warmup_steps"]), variant)
     entry = lockstep.AsyncTrainer if isinstance(config.parallel, lockstep.AsyncConfig) \
@@ -103,7 +125,7 @@ def worker(task: str, variant: str, out: Path, asked: dict[str, Any]) -> None:
     summary = entry(model, optimizer, train, test, config=config).fit()
     if world.is_main:
         summary.pop("server", None)
-        out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / variant),
+        out.write_text(json.dumps({**summary, "bytes_per_step": _bytes(out.parent / out.stem),
                                    "asked": asked}))
 
 
@@ -133,6 +155,7 @@ def main() -> int:
                    help="train the char-GPT this many steps instead of 1000 (an epoch is 1913)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model's initialisation and the data order")
+    p.add_argument("--nproc", type=int, default=2, help="workers (async: one more, the server)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.chargpt_steps is not None and args.chargpt_steps < 1:
@@ -145,7 +168,7 @@ def main() -> int:
         asked = _asked(task, args)
         results = {}
         for variant in args.variants:
-            out = (Path(args.out) / task / f"{variant}.json").resolve()
+            out = (Path(args.out) / task / f"{variant}-n{args.nproc}.json").resolve()
             out.parent.mkdir(parents=True, exist_ok=True)
             if args.reuse and out.exists():
                 saved = json.loads(out.read_text())
@@ -153,13 +176,14 @@ def main() -> int:
                     results[variant] = saved
                     continue
             print(f"{task} / {variant} ...", flush=True)
-            shutil.rmtree(out.parent / variant, ignore_errors=True)  # a fresh run each time
-            code = run(LaunchSpec(nproc=RANKS.get(variant, 2), target=os.path.abspath(__file__),
+            shutil.rmtree(out.parent / out.stem, ignore_errors=True)  # a fresh run each time
+            nproc = args.nproc + 1 if variant in RANKS else args.nproc
+            code = run(LaunchSpec(nproc=nproc, target=os.path.abspath(__file__),
                                   args=["--worker", task, variant, str(out)]
                                   + _worker_flags(asked)))
             if code == 0:
                 results[variant] = json.loads(out.read_text())
-        report(task, results)
+        report(task, results, args.nproc)
     return 0
 
 
@@ -175,9 +199,9 @@ def _worker_flags(asked: dict[str, Any]) -> list[str]:
     return ["--seed", str(asked["seed"])] + (["--chargpt-steps", str(steps)] if steps else [])
 
 
-def report(task: str, results: dict[str, dict[str, Any]]) -> None:
+def report(task: str, results: dict[str, dict[str, Any]], nproc: int) -> None:
     base = results.get("fp32")
-    print(f"\n{task}: 2 workers; gaps against fp32 uncompressed")
+    print(f"\n{task}: {nproc} workers; gaps against fp32 uncompressed")
     print(f"{'variant':16s} {'accuracy':>9s} {'gap':>7s} {'test loss':>10s} {'gap':>7s} "
           f"{'MB/step':>8s}")
     for name, r in results.items():

@@ -21,6 +21,7 @@ from lockstep import comm
 from lockstep.elastic import Elastic, ElasticConfig, batch_slice
 from lockstep.elastic.heartbeat import pending_joiners
 from lockstep.lowcomm.rounds import DiLoCo, LocalSGD
+from lockstep.lowcomm.streaming import StreamingDiLoCo
 
 SAMPLES, FEATURES = 240, 8
 
@@ -54,6 +55,9 @@ def wrapper(mode: str, every: int, algorithm: str):  # type: ignore[no-untyped-d
         return lambda m: LocalSGD(m, every)
     if mode == "diloco":
         return lambda m: DiLoCo(m, every, outer_lr=1.0, outer_momentum=0.5)
+    if mode == "streaming":  # one layer: one fragment, its exchange a step in flight
+        return lambda m: StreamingDiLoCo(m, every, fragments=1, overlap=1, outer_lr=1.0,
+                                         outer_momentum=0.5)
     if mode == "zero":
         return lambda m: lockstep.shard(m, 2)
     return lambda m: lockstep.DataParallel(m, algorithm=algorithm)
@@ -79,7 +83,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--pace", type=float, default=0.0, help="seconds to sleep per step")
-    p.add_argument("--mode", default="dp", choices=["dp", "localsgd", "diloco", "zero"])
+    p.add_argument("--mode", default="dp", choices=["dp", "localsgd", "diloco", "streaming",
+                                                     "zero"])
     p.add_argument("--algorithm", default="native")
     p.add_argument("--every", type=int, default=4, help="local SGD / DiLoCo round length")
     p.add_argument("--check-every", type=int, default=0)

@@ -77,9 +77,10 @@ def test_configs_refuse_compress_with_the_reason() -> None:
     (issue 28, finding 21)."""
     import pytest
 
-    cases = [(lockstep.ShardConfig, "SyncConfig\\(compress="),
+    cases = [(lockstep.ShardConfig, "ShardConfig\\(wire='bf16' or 'int8'\\)"),
              (lockstep.LocalSGDConfig, "pseudo_grad_bf16=True"),
              (lockstep.DiLoCoConfig, "pseudo_grad_bf16=True"),
+             (lockstep.StreamingDiLoCoConfig, "wire='bf16', 'e4m3', 'int8' or 'int4'"),
              (lockstep.AsyncConfig, "compression is for SyncConfig")]
     for config, instead in cases:
         with pytest.raises(ValueError, match=f"{config.__name__} takes no compress=: .*{instead}"):

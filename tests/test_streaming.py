@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.lowcomm import wireformat
 from lockstep.lowcomm.streaming import StreamingDiLoCo, layer_units, plan_fragments
+from lockstep.replication import wireformat
 from lockstep.testing import World
 from tests.models import digest, make_model
 from tests.test_lowcomm import gap, run
@@ -36,7 +36,7 @@ def test_fragments_are_contiguous_runs_of_layers_of_nearly_equal_size() -> None:
 
 
 @pytest.mark.parametrize("name,bits,bound", [("bf16", 16, 2 ** -8), ("e4m3", 8.5, 1 / 16),
-                                             ("int4", 4.5, 1 / 14)])
+                                             ("int8", 8.5, 1 / 254), ("int4", 4.5, 1 / 14)])
 def test_wire_formats_round_trip_within_their_precision(name: str, bits: float,
                                                        bound: float) -> None:
     torch.manual_seed(0)

@@ -278,6 +278,15 @@ def gather_shards_async(flat: torch.Tensor, what: str, group: Group = None) -> P
     return Pending(works, what)
 
 
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, what: str,
+               group: Group = None) -> torch.Tensor:
+    """Split `tensor` in N equal chunks, send chunk k to rank k; `output` gets every rank's
+    chunk for this rank, in rank order."""
+    work = _run(what, dist.all_to_all_single, output, tensor, group=group, async_op=True)
+    Pending(work, what).wait()
+    return output
+
+
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
                    group: Group = None) -> torch.Tensor:
     """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`."""

@@ -44,6 +44,7 @@ from lockstep.comm import timeline
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.topology import this_host
 from lockstep.comm.world import World, current
+from lockstep.elastic import rounds
 from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
 from lockstep.elastic.failures import first_line, forget_frames, membership_failure, still_held
 from lockstep.elastic.handover import hand_over
@@ -211,15 +212,11 @@ class Elastic:
 
     def _sync_round(self) -> None:
         """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
-        failed synchronisation is retried among the survivors, not the step (the optimizer
-        has stepped): `after_step` counted it before it failed."""
-        if not _trains_in_rounds(self.model):
+        failed synchronisation is retried among the survivors, not the step."""
+        if not rounds.trains_in_rounds(self.model):
             return
-        if self._sync_retry:
-            self.model.synchronise()
-        else:
-            self._sync_retry = True
-            self.model.after_step()
+        retry, self._sync_retry = self._sync_retry, True
+        rounds.sync_round(self.model, retry)
         self._sync_retry = False
 
     def _commit(self) -> None:
@@ -328,6 +325,8 @@ class Elastic:
             recovery.restore(self.module, pooled)
         if rewrap or self.model is None or pooled is not None:
             self._rewrap()
+        else:
+            rounds.kept_through_regroup(self.model)
         if pooled is not None:
             recovery.load(self.model.zero_groups, self.optimizer, pooled)
         self._held = None
@@ -360,7 +359,7 @@ class Elastic:
                 close()
         with mirrored_shards():  # a ZeRO wrapper keeps the next rank's shard too
             self.model = self.wrap(self.module)
-        self._keeps_wrapper = _trains_in_rounds(self.model)
+        self._keeps_wrapper = rounds.trains_in_rounds(self.model)
         self.drift = None
         if isinstance(self.model, ShardedDataParallel):
             self.optimizer = recovery.over_shards(self.optimizer, self.model)
@@ -390,10 +389,3 @@ class Elastic:
         if close is not None:
             close()
 
-
-def _trains_in_rounds(model: Any) -> bool:
-    """Local SGD / DiLoCo: replicas that meet only at a round's average (`synchronise`),
-    whose wrapper keeps its round's progress through a failure. Not `after_step`: every
-    Replica answers that (a DataParallel too, whose reducer is built for one world size and
-    must be rebuilt when it changes)."""
-    return callable(getattr(model, "synchronise", None))

@@ -33,8 +33,8 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
-from lockstep.lowcomm import wireformat
 from lockstep.lowcomm.rounds import DiLoCo
+from lockstep.replication import wireformat
 from lockstep.replication.choices import refusing
 from lockstep.replication.compress import PER_RANK
 
@@ -84,7 +84,8 @@ class StreamingDiLoCo(DiLoCo):
         fragments: how many fragments (P <= H); each is a run of whole layers.
         overlap: steps between sending a fragment and applying its average (tau < H).
         mixing: the share of this rank's own parameters kept when the average is applied.
-        wire: "full" (the parameters' dtype, all-reduced), "bf16", "e4m3" or "int4".
+        wire: "full" (the parameters' dtype, all-reduced), "bf16", "e4m3", "int8" or
+            "int4".
         error_feedback: keep what the wire format rounded off and send it next time.
         outer_lr, outer_momentum, nesterov: the outer SGD (the paper: 0.7, 0.9, True).
     """
@@ -285,9 +286,16 @@ class StreamingDiLoCo(DiLoCo):
         momenta (each rank's own parameters differ between a fragment's syncs)."""
         return {f"outer state '{k}'": t for k, t in super().checkpoint_tensors().items()}
 
-    def close(self) -> None:
-        """Drop what is in flight (its group may be gone: a regroup closes the wrapper)."""
+    def drop_in_flight(self) -> None:
+        """Forget the exchanges in flight: their group is gone (Elastic regrouped after a
+        failure). Each is dropped whole, never half-applied: its fragment's progress stays
+        in the local parameters and goes with the fragment's next exchange (and one due to
+        be sent at the failed step is sent again, when Elastic calls `synchronise`)."""
         self.in_flight.clear()
+
+    def close(self) -> None:
+        """Drop what is in flight (a regroup that rebuilds the wrapper closes this one)."""
+        self.drop_in_flight()
 
 
 def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str) -> None:
@@ -305,8 +313,8 @@ def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str) -
 
 
 @refusing(compress="streaming DiLoCo sends one fragment's pseudo-gradient at a time: "
-                   "wire='bf16', 'e4m3' or 'int4' sends it in fewer bits; PowerSGD and TopK "
-                   "compress SyncConfig's per-step gradients")
+                   "wire='bf16', 'e4m3', 'int8' or 'int4' sends it in fewer bits; PowerSGD "
+                   "and TopK compress SyncConfig's per-step gradients")
 @dataclass
 class StreamingDiLoCoConfig:
     """Streaming DiLoCo as a training mode: fragments of the model synced on staggered
@@ -322,7 +330,7 @@ class StreamingDiLoCoConfig:
     mixing: float = 0.5
     """The share of a rank's own parameters kept when a fragment's average is applied."""
     wire: str = "full"
-    """How pseudo-gradients travel: "full" precision, "bf16", "e4m3" or "int4"."""
+    """How pseudo-gradients travel: "full" precision, "bf16", "e4m3", "int8" or "int4"."""
     error_feedback: bool = False
     """Send what the wire format rounded off with the fragment's next exchange."""
     outer_lr: float = 0.7

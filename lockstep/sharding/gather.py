@@ -45,6 +45,7 @@ class Gatherer:
         self.users = [0] * len(groups)
         self.order: list[int] = []
         self._recording = True
+        self.exact = False  # gathers in full precision whatever the wire (all_gathered)
         self._in_backward = [False] * len(groups)
         self.owners = [sub for sub in module.modules()
                        if any(id(p) in unit_of for p in sub.parameters(recurse=False))]
@@ -112,7 +113,8 @@ class Gatherer:
             group.finish_prefetch()
         elif not group.gathered:
             with timeline.span(f"gather of parameter unit {u}", "comm"):
-                group.start_gather(f"gather of parameter unit {u}", self.group).wait()
+                group.start_gather(f"gather of parameter unit {u}", self.group,
+                                   exact=self.exact).wait()
         group.gathered = True
 
     def _prefetch(self, u: int) -> None:
@@ -150,10 +152,15 @@ class Gatherer:
             "directly.")
 
     @contextmanager
-    def all_gathered(self) -> Iterator[None]:
-        """Every unit whole, for the duration (collective: every rank must enter)."""
-        for u in range(len(self.groups)):
-            self.acquire(u, backward=False)
+    def all_gathered(self, exact: bool = False) -> Iterator[None]:
+        """Every unit whole, for the duration (collective: every rank must enter); with
+        `exact`, the masters themselves even where the wire is compressed."""
+        self.exact = exact
+        try:
+            for u in range(len(self.groups)):
+                self.acquire(u, backward=False)
+        finally:
+            self.exact = False
         try:
             yield
         finally:
@@ -163,7 +170,7 @@ class Gatherer:
     def give_back(self) -> None:
         """Collective: gather every unit and give each parameter its own full memory, so
         the module works alone again; then stop managing it."""
-        with self.all_gathered():
+        with self.all_gathered(exact=True):
             for g in self.groups:
                 for p in g.params:
                     p.data = p.detach().clone()

@@ -211,7 +211,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         rank's slice of `flat` already; all gathers launched, then waited, so the backend
         may run them side by side."""
         with timeline.span(f"{what} (ZeRO-{self.stage})", "comm"):
-            gathers = [comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
+            gathers = [g.start_gather(f"{what} of parameter group {g.index}", self.group)
+                       if g.wire != "full" else  # (the masters apart: compressed.py)
+                       comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
                                                 self.group) for g in self.groups]
             for work in gathers:
                 work.wait()

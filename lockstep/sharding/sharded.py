@@ -29,6 +29,7 @@ from lockstep.replication.join import JoinError, JoinHook
 from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
+from lockstep.sharding import compressed
 from lockstep.sharding.gather import Gatherer, guard_orphans
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.zero import FlatGroup, ShardedReduction, build_groups, reducer_params
@@ -64,19 +65,31 @@ class ShardedDataParallel(DataParallel):
             that owns parameters, i.e. each layer).
         mirror: also keep the next rank's shard (zero.py), so one rank's death loses
             nothing; None: when built by fault tolerance (lockstep.Elastic turns it on).
+        wire: "full", or "bf16" / "int8" for stage 2-3's reduce-scatters and gathers
+            (compressed.py: ZeRO++'s qgZ and qwZ).
+        error_feedback: with a compressed wire, carry what a gradient's encoding rounded
+            off into the next step (costs a full gradient bucket per rank).
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, *,
                  unit: Callable[[nn.Module], bool] | None = None, mirror: bool | None = None,
-                 **kwargs: Any) -> None:
+                 wire: str = "full", error_feedback: bool = False, **kwargs: Any) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
+        compressed.check(wire, stage)
         for name in ("algorithm", "compress", "reduction"):
             if kwargs.get(name) not in (None, "native"):
                 raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
                                  f"all-gather; it takes no {name}=")
         self.stage, self._unit = stage, unit
+        self.wire, self._error_feedback = wire, error_feedback
         self.mirror = MIRRORED.get() if mirror is None else mirror
+        if self.mirror and wire != "full":
+            raise ValueError(
+                f"ZeRO with wire={wire!r} under fault tolerance: a mirrored shard is the next "
+                "rank's master, reduce-scattered a second time and rebuilt exactly after a "
+                "death; the compressed collectives do not carry it yet. Use wire='full' with "
+                "elastic=, or the compressed wire without it")
         self.gatherer: Gatherer | None = None
         super().__init__(module, **kwargs)
 
@@ -84,8 +97,9 @@ class ShardedDataParallel(DataParallel):
                         reduction: Reduction | None) -> Reduction:
         """Lay the parameters out in flat groups and, at stage 3, shard them."""
         self.zero_groups = build_groups(self.module, self.stage, self.group,
-                                        *self._bucket_bytes, self._unit, self.mirror)
-        sharding = ShardedReduction(self.zero_groups, self.stage, self.group)
+                                        *self._bucket_bytes, self._unit, self.mirror, self.wire)
+        sharding = ShardedReduction(self.zero_groups, self.stage, self.group,
+                                    self._error_feedback)
         if self.stage == 3:
             self.gatherer = Gatherer(self.module, self.zero_groups, self.group)
             sharding.on_reduced = self.gatherer.reduced
@@ -123,10 +137,22 @@ class ShardedDataParallel(DataParallel):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict, whole, as copies. At stage 3 it gathers the parameters:
         a collective, so every rank must call it."""
-        if self.gatherer is None:
+        if self.gatherer is not None:
+            with self.gatherer.all_gathered(exact=True):
+                return super().full_state_dict()
+        if self.wire == "full":
             return super().full_state_dict()
-        with self.gatherer.all_gathered():
-            return super().full_state_dict()
+        # The full buffers hold decoded copies: gather the masters exactly, read them, and
+        # put the decoded copies back (training goes on as if nobody had looked).
+        gather = [g.start_gather("exact gather for a state dict", self.group, exact=True)
+                  for g in self.zero_groups]
+        for work in gather:
+            work.wait()
+        whole = super().full_state_dict()
+        for work in [g.start_gather("gather of decoded parameters", self.group)
+                     for g in self.zero_groups]:
+            work.wait()
+        return whole
 
     replicated_optimizer = False  # each rank's optimizer state is its own shard
 
@@ -146,7 +172,8 @@ class ShardedDataParallel(DataParallel):
     def memory_report(self, optimizer: Any) -> dict[str, int]:
         groups: list[FlatGroup] = self.zero_groups
         flats = [g.flat for g in groups if g.flat.untyped_storage().nbytes()]
-        params = flats + ([g.shard_param for g in groups] if self.stage == 3 else [])
+        own = self.stage == 3 or self.wire != "full"  # masters in memory of their own
+        params = flats + ([g.shard_param for g in groups] if own else [])
         grads = ([b.flat for b in self.reducer.buckets if b.flat.untyped_storage().nbytes()]
                  + ([g.shard_grad for g in groups] if self.stage > 1 else []))
         return memory.held(params, optimizer, grads)
@@ -182,14 +209,13 @@ class _Orphaning:
             guard_orphans(self.gatherer.owners, self.gatherer.groups, self.gatherer.rank)
 
 
-_OWN_COLLECTIVES = ("ZeRO moves gradients and parameters with its own reduce-scatters and "
-                    "all-gathers, uncompressed")
+_OWN_COLLECTIVES = "ZeRO moves gradients and parameters with its own reduce-scatters and " \
+    "all-gathers"
 
 
 @refusing(
-    compress=f"{_OWN_COLLECTIVES}; for fewer bytes on the wire use SyncConfig(compress='bf16', "
-             "lockstep.PowerSGD(...) or lockstep.TopK(...)) without sharding, or "
-             "DiLoCoConfig to synchronise rarely",
+    compress=f"{_OWN_COLLECTIVES}: ShardConfig(wire='bf16' or 'int8') sends those in fewer "
+             "bits (stages 2-3); PowerSGD and TopK are SyncConfig's, without sharding",
     algorithm=f"{_OWN_COLLECTIVES}; the algorithms are SyncConfig's")
 @dataclass
 class ShardConfig:
@@ -204,15 +230,21 @@ class ShardConfig:
     """Allow parameters that get no gradient on some steps."""
     nonfinite: str = "error"
     """What a NaN or inf in some rank's gradient does (see SyncConfig)."""
+    wire: str = "full"
+    """Stages 2-3: reduce-scatters and gathers in "full" precision, "bf16" or "int8"."""
+    error_feedback: bool = False
+    """With a compressed wire: carry each gradient's rounding into the next step."""
 
     def validate(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         check_mode(self.nonfinite)
+        compressed.check(self.wire, self.stage)
 
     def build(self, module: nn.Module) -> ShardedDataParallel:
         return shard(module, self.stage, bucket_mb=self.bucket_mb,
-                     find_unused=self.find_unused, nonfinite=self.nonfinite)
+                     find_unused=self.find_unused, nonfinite=self.nonfinite, wire=self.wire,
+                     error_feedback=self.error_feedback)
 
 
 def shard(module: nn.Module, stage: int = 3, **kwargs: Any) -> ShardedDataParallel:

@@ -50,7 +50,9 @@ from lockstep.replication.buckets import (
     ParamSlot,
     plan_before_backward,
 )
+from lockstep.replication.compress import PER_RANK
 from lockstep.replication.reduction import Bucket, Done, Handle, Reduction
+from lockstep.sharding import compressed
 
 
 def padded(numel: int, world_size: int) -> int:
@@ -85,6 +87,7 @@ class FlatGroup:
     mirror: slice | None = None                     # the next rank's shard, kept here too
     mirror_param: nn.Parameter | None = field(default=None, repr=False)
     mirror_grad: torch.Tensor | None = field(default=None, repr=False)
+    wire: str = "full"                              # how its gathers travel (compressed.py)
 
     def materialize(self) -> None:
         """Give the full buffer its memory back (contents undefined until gathered)."""
@@ -93,10 +96,17 @@ class FlatGroup:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
-    def start_gather(self, what: str, process_group: comm.Group) -> comm.Pending:
+    def start_gather(self, what: str, process_group: comm.Group,
+                     exact: bool = False) -> comm.Pending | compressed.DecodingGather:
         """Bring the full buffer back and start filling it from every rank's shard. The
-        own shard is copied in first, so a gather left in flight never sees it stepped."""
+        own shard is copied in first, so a gather left in flight never sees it stepped.
+        With a compressed wire every shard, the own one too, arrives decoded -- unless
+        `exact` (a state dict: the masters themselves)."""
         self.materialize()
+        if self.wire != "full" and not exact:
+            self.pending_since_ns = time.time_ns()
+            return compressed.start_gather(self.flat, self.shard_param, self.wire, what,
+                                           process_group)
         self.flat[self.shard].copy_(self.shard_param.detach())
         self.pending_since_ns = time.time_ns()  # (a prefetch's span starts here)
         return comm.gather_shards_async(self.flat, what, process_group)
@@ -117,7 +127,7 @@ class FlatGroup:
 
 
 def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
-               sharded_params: bool, mirrored: bool = False) -> FlatGroup:
+               sharded_params: bool, mirrored: bool = False, wire: str = "full") -> FlatGroup:
     """Move `named` parameters into one flat buffer (they become views of it)."""
     numel = sum(p.numel() for _, p in named)
     full = padded(numel, world_size)
@@ -130,12 +140,14 @@ def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, wor
         p.data = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
     mine = shard_range(full, rank, world_size)
-    # Stage 3 keeps the shard in its own memory (the full buffer comes and goes);
-    # stages 1-2 step the shard in place inside the always-present full buffer.
-    shard_data = flat[mine].clone() if sharded_params else flat[mine]
+    # Stage 3 keeps the shard in its own memory (the full buffer comes and goes), and so
+    # does a compressed wire (the full buffer holds decoded copies; the shard is the
+    # master); else stages 1-2 step the shard in place inside the full buffer.
+    own = sharded_params or wire != "full"
+    shard_data = flat[mine].clone() if own else flat[mine]
     shard_param = nn.Parameter(shard_data)
     group = FlatGroup(index, [p for _, p in named], [n for n, _ in named], offsets, numel, full,
-                      mine, flat, shard_param, torch.zeros_like(shard_data))
+                      mine, flat, shard_param, torch.zeros_like(shard_data), wire=wire)
     if mirrored:  # its own memory at every stage: the all-gathers never write into it
         group.mirror = shard_range(full, (rank + 1) % world_size, world_size)
         group.mirror_param = nn.Parameter(flat[group.mirror].clone())
@@ -187,10 +199,16 @@ class ShardedReduction(Reduction):
     padded to split evenly), reduced by all-reduce (stage 1) or reduce-scatter into this
     rank's shard (2, 3), whose full buffers exist only while being reduced (2, 3)."""
 
-    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
+    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
+                 error_feedback: bool = False) -> None:
         self.groups, self.stage, self.group = groups, stage, group
-        self.name = f"ZeRO-{stage} " + ("all-reduce" if stage == 1 else "reduce-scatter")
+        self.wire = groups[0].wire if groups else "full"
+        self.name = f"ZeRO-{stage} " + ("all-reduce" if stage == 1 else "reduce-scatter") + \
+            ("" if self.wire == "full" else f" in {self.wire}")
         self.world_size = comm.size_of(group)
+        # what each group's last compressed reduce-scatter rounded off (compressed.py)
+        self.feedback = [torch.zeros(g.padded_numel, dtype=g.flat.dtype, device=g.flat.device)
+                         for g in groups] if error_feedback and self.wire != "full" else None
         self.specs = [BucketSpec(str(g.flat.dtype), tuple(range(_first(groups, g),
                                                                _first(groups, g) + len(g.params))),
                                  tuple(g.offsets), g.numel) for g in groups]
@@ -222,9 +240,14 @@ class ShardedReduction(Reduction):
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
         target = self.groups[index]
-        incoming = torch.empty_like(target.shard_grad)
-        comm.reduce_scatter(incoming, bucket.flat, f"reduce-scatter of {bucket.label}",
-                            self.group)
+        what = f"reduce-scatter of {bucket.label}"
+        if self.wire == "full":
+            incoming = torch.empty_like(target.shard_grad)
+            comm.reduce_scatter(incoming, bucket.flat, what, self.group)
+        else:
+            incoming = compressed.reduce_scatter(
+                bucket.flat, self.wire, what, self.group,
+                None if self.feedback is None else self.feedback[index])
         target.shard_grad.add_(incoming)  # accumulates across backwards until zero_grad
         if target.mirror_grad is not None:  # rotated by one shard: this rank gets the next's
             rotated = torch.roll(bucket.flat, -incoming.numel())
@@ -252,6 +275,17 @@ class ShardedReduction(Reduction):
         if self.on_step_end is not None:
             self.on_step_end()
 
+    def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
+        if self.wire == "full":
+            return super().sent_bytes(buckets)
+        return sum(compressed.encoded_bytes(self.wire, b.flat.numel(), self.world_size)
+                   for b in buckets)
+
+    def checkpoint_tensors(self, params: Sequence[nn.Parameter]) -> dict[str, torch.Tensor]:
+        """Each rank's error feedback, kept per rank in checkpoints."""
+        return {f"{PER_RANK}zero.feedback.{i}": kept
+                for i, kept in enumerate(self.feedback or [])}
+
     def drop_step(self, buckets: Sequence[Bucket]) -> None:
         """A step dropped for a non-finite gradient: the optimizer skips shards without a
         gradient (`finish` gives them back next time)."""
@@ -271,7 +305,7 @@ def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
 
 def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_bytes: int,
                  first_bucket_bytes: int, unit: Callable[[nn.Module], bool] | None = None,
-                 mirrored: bool = False) -> list[FlatGroup]:
+                 mirrored: bool = False, wire: str = "full") -> list[FlatGroup]:
     """Lay the trainable parameters out in flat groups: buckets (stages 1-2) or units (3).
     Groups are in the order gradients become ready (reverse registration). The layout does
     not depend on the world size (only each group's padding does)."""
@@ -287,7 +321,7 @@ def build_groups(module: nn.Module, stage: int, group: comm.Group, bucket_cap_by
         specs = plan_before_backward(slots, bucket_cap_bytes, first_bucket_bytes)
         layout = [[named[i][0] for i in spec.param_indices] for spec in specs]
     return [_new_group(k, [(n, by_name[n]) for n in names], rank, world_size,
-                       sharded_params=stage == 3, mirrored=mirrored)
+                       sharded_params=stage == 3, mirrored=mirrored, wire=wire)
             for k, names in enumerate(layout)]
 
 

@@ -1,4 +1,5 @@
-"""Pseudo-gradients in fewer bits: the wire formats of streaming DiLoCo's exchanges.
+"""Tensors in fewer bits: the wire formats of streaming DiLoCo's exchanges and of ZeRO's
+compressed reduce-scatters and gathers.
 
 A format turns a flat float tensor into bytes (`encode`) and back (`decode`). The 8- and
 4-bit formats carry one fp32 scale per block of BLOCK values (the block's largest magnitude
@@ -8,6 +9,7 @@ the FP8 recipes.
 
     bf16  2 bytes a value (8 bits of mantissa)
     e4m3  1 byte a value (fp8: 3 bits of mantissa, within 1/16 relative) + 4 per block
+    int8  1 byte a value (integers -127..127 of the block's scale) + 4 per block
     int4  half a byte a value (integers -7..7 of the block's scale) + 4 per block
 
 (Full precision is no format: it goes by all-reduce, in the parameters' own dtype.) The
@@ -21,9 +23,11 @@ from __future__ import annotations
 import torch
 
 BLOCK = 64
-FORMATS = ("bf16", "e4m3", "int4")
+FORMATS = ("bf16", "e4m3", "int8", "int4")
 _E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _INT4_MAX = 7
+_INT8_MAX = 127
+_LARGEST = {"e4m3": _E4M3_MAX, "int8": _INT8_MAX, "int4": _INT4_MAX}
 
 
 def check(name: str) -> None:
@@ -36,7 +40,7 @@ def encoded_bytes(name: str, numel: int) -> int:
     blocks = -(-numel // BLOCK)
     if name == "bf16":
         return 2 * numel
-    if name == "e4m3":
+    if name in ("e4m3", "int8"):
         return blocks * BLOCK + 4 * blocks
     return blocks * BLOCK // 2 + 4 * blocks  # int4: two values a byte
 
@@ -45,9 +49,11 @@ def encode(name: str, values: torch.Tensor) -> torch.Tensor:
     """`values` (1-D, float) as a flat uint8 tensor of `encoded_bytes(name, numel)`."""
     if name == "bf16":
         return _bytes(values.to(torch.bfloat16))
-    blocks, scales = _blocks(values, _E4M3_MAX if name == "e4m3" else _INT4_MAX)
+    blocks, scales = _blocks(values, _LARGEST[name])
     if name == "e4m3":
         body = _bytes(blocks.to(torch.float8_e4m3fn))
+    elif name == "int8":
+        body = _bytes(blocks.round().clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8))
     else:
         nibbles = (blocks.round().clamp_(-_INT4_MAX, _INT4_MAX) + 8).to(torch.uint8).view(-1)
         body = nibbles[0::2] | (nibbles[1::2] << 4)
@@ -63,6 +69,8 @@ def decode(name: str, data: torch.Tensor, numel: int) -> torch.Tensor:
     body = data[:-4 * blocks]
     if name == "e4m3":
         values = body.view(torch.float8_e4m3fn).float().view(blocks, BLOCK)
+    elif name == "int8":
+        values = body.view(torch.int8).float().view(blocks, BLOCK)
     else:
         nibbles = torch.stack([body & 0x0F, body >> 4], dim=1).view(-1)
         values = (nibbles.float() - 8).view(blocks, BLOCK)

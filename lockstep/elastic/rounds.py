@@ -1,0 +1,32 @@
+"""How a wrapper that trains in rounds -- local SGD, DiLoCo, streaming DiLoCo -- lives
+through a regroup. Its replicas meet only at a round's average (`synchronise`), so the
+wrapper keeps its round's progress through a failure instead of being rebuilt (a
+DataParallel's reducer is built for one world size and must be)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def trains_in_rounds(model: Any) -> bool:
+    """Whether `model` meets its peers only at round ends. Not `after_step`: every Replica
+    answers that, a DataParallel too."""
+    return callable(getattr(model, "synchronise", None))
+
+
+def sync_round(model: Any, retry: bool) -> None:
+    """Count the inner step and synchronise at the round's end; with `retry` (the previous
+    try failed and the survivors regrouped) only synchronise again: the optimizer has
+    stepped, and `after_step` counted the step before it failed."""
+    if retry:
+        model.synchronise()
+    else:
+        model.after_step()
+
+
+def kept_through_regroup(model: Any) -> None:
+    """A kept wrapper on the new group: what it had in flight on the old one is dropped
+    (streaming DiLoCo's exchanges), whole -- never half-applied."""
+    drop = getattr(model, "drop_in_flight", None)
+    if callable(drop):
+        drop()
