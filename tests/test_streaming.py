@@ -18,6 +18,7 @@ from lockstep.lowcomm.streaming import StreamingDiLoCo, layer_units, plan_fragme
 from lockstep.replication import wireformat
 from lockstep.testing import World
 from tests.models import digest, make_model
+from tests.test_elastic import _check_history, _kill_and_rejoin
 from tests.test_lowcomm import gap, run
 from tests.test_trainer import digit_sets
 
@@ -112,3 +113,62 @@ def test_streaming_int4_learns_as_diloco_does_one_fragment_at_a_time(world2: Wor
     assert max(sizes) < model_bytes / 7 * 0.6, (max(sizes), model_bytes)
     # 4.5 bits a value against DiLoCo's 32: at least 6x fewer bytes per step
     assert stats["bytes_sent"] * 6 < diloco[0][2]["bytes_sent"], (stats, diloco[0][2])
+
+
+def test_streaming_diloco_drops_the_exchange_in_flight_and_goes_on(tmp_path: Path) -> None:
+    """Streaming DiLoCo (rounds of 4, each exchange applied a step after it was sent), 2
+    workers, killed at step 9, when the exchange sent at step 8 is in flight: the survivor
+    drops it whole (its group is gone) and goes on; the joiner comes in at a round's end;
+    the replicas end identical."""
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
+                                      "streaming", "--every", "4", "--hold-at", "30"],
+                           kill_at=9, nproc=2)
+    finals = _check_history(run, steps, 12, round_steps=4, overlap=1)
+    assert all(f["params"] == finals[0]["params"] for f in finals)
+    assert [g for g in finals[0]["regroups"] if g["joined"]]
+
+
+def diverged(wire: str) -> str:
+    """Rank 1's replica diverges (a NaN weight): the next exchange must fail on every rank,
+    naming it -- not hang rank 0, nor (in 4 bits) turn the NaN into a number."""
+    lockstep.init()
+    torch.manual_seed(0)
+    model = StreamingDiLoCo(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+                            every=2, fragments=1, overlap=0, wire=wire)
+    if lockstep.comm.rank_of() == 1:
+        with torch.no_grad():
+            model.module[0].weight[0, 0] = float("nan")
+    try:
+        for _ in range(2):
+            model.after_step()
+    except FloatingPointError as error:
+        return str(error)
+    return "trained on"
+
+
+@pytest.mark.parametrize("wire", ["full", "int4"])
+def test_a_diverged_replica_is_named_on_every_rank(world2: World, wire: str) -> None:
+    for rank, said in enumerate(world2.run(diverged, wire)):
+        assert said.startswith(f"rank {rank}: streaming DiLoCo fragment 0") and \
+            "not finite on rank(s) [1]" in said, said
+
+
+def batchnorm_after_finish(mixing: float) -> list[float]:
+    """Buffers end averaged even when the last fragment took the shared parameters at the
+    very last step (finish() then syncs nothing)."""
+    lockstep.init()
+    rank = lockstep.comm.rank_of()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model = StreamingDiLoCo(net, every=4, fragments=1, overlap=1, mixing=mixing)
+    for _ in range(5):  # sent at step 4, applied at 5: the last step
+        model(torch.randn(8, 4) + rank)
+        model.after_step()
+    model.finish()
+    return net[1].running_mean.tolist()
+
+
+def test_finish_leaves_buffers_identical(world2: World) -> None:
+    first, second = world2.run(batchnorm_after_finish, 0.0)
+    assert first == second

@@ -269,6 +269,8 @@ class Elastic:
         # A DataParallel is built for its world size: rebuilt. Local SGD / DiLoCo keep
         # their round's progress through a failure; joiners need a fresh one everywhere.
         rewrap = planned or not self._keeps_wrapper
+        if planned:
+            rounds.before_planned_regroup(self.model)
         self._leave_group(drop_wrapper=rewrap)
         try:
             membership = self.coordinator.regroup(previous, self.step, planned)
@@ -298,6 +300,7 @@ class Elastic:
             self.optimizer.group = None  # it would keep the old group's sockets open
         elif drop_wrapper and hasattr(self.model, "close"):  # (no local may keep it)
             self.model.close()
+        rounds.leaving_group(self.model)  # a kept wrapper's works on the old group
         dropped = None
         if drop_wrapper and self.model is not None:
             dropped, self.model = weakref.ref(self.model), None
@@ -325,8 +328,6 @@ class Elastic:
             recovery.restore(self.module, pooled)
         if rewrap or self.model is None or pooled is not None:
             self._rewrap()
-        else:
-            rounds.kept_through_regroup(self.model)
         if pooled is not None:
             recovery.load(self.model.zero_groups, self.optimizer, pooled)
         self._held = None

@@ -24,9 +24,19 @@ def sync_round(model: Any, retry: bool) -> None:
         model.after_step()
 
 
-def kept_through_regroup(model: Any) -> None:
-    """A kept wrapper on the new group: what it had in flight on the old one is dropped
-    (streaming DiLoCo's exchanges), whole -- never half-applied."""
+def before_planned_regroup(model: Any) -> None:
+    """Joiners come in: the wrapper is rebuilt for the new world, and building it
+    broadcasts rank 0's parameters. Bring every replica level first, on the old group: a
+    no-op for local SGD and DiLoCo, whose joiners come at a round's end, where they are
+    level; streaming DiLoCo's fragments never are all at once (its `finish`)."""
+    if trains_in_rounds(model):
+        model.finish()
+
+
+def leaving_group(model: Any) -> None:
+    """The old group is about to go: what the wrapper has in flight on it is dropped
+    (streaming DiLoCo's exchanges), whole -- never half-applied -- and holds nothing of
+    it alive."""
     drop = getattr(model, "drop_in_flight", None)
     if callable(drop):
         drop()

@@ -79,11 +79,15 @@ class _Replica(nn.Module):
         if self.local_steps % self.every == 0:
             with timeline.span(f"{type(self).__name__} round's sync", "comm"):
                 self.synchronise()
-            alone = comm.size_of(self.group) == 1  # a world of one sends nothing
-            per_step = 0.0 if alone else self._round_bytes / self.every
-            full = sum(p.numel() * p.element_size() for p in self.module.parameters())
-            self.stats = {"bytes_sent": per_step, "bytes_uncompressed": float(full)}
-            self._round_bytes = 0
+            self._close_round_stats()
+
+    def _close_round_stats(self) -> None:
+        """The bytes sent over the round just ended, per step (comm_stats)."""
+        alone = comm.size_of(self.group) == 1  # a world of one sends nothing
+        per_step = 0.0 if alone else self._round_bytes / self.every
+        full = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        self.stats = {"bytes_sent": per_step, "bytes_uncompressed": float(full)}
+        self._round_bytes = 0
 
     def synchronise(self) -> None:
         raise NotImplementedError

@@ -24,6 +24,7 @@ differ between a fragment's syncs) are saved per rank.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import ClassVar
@@ -95,13 +96,16 @@ class StreamingDiLoCo(DiLoCo):
                  error_feedback: bool = False, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
                  group: comm.Group = None) -> None:
-        _check(every, fragments, overlap, mixing, wire)
+        try:
+            _check(every, fragments, overlap, mixing, wire, error_feedback)
+            params, units = list(module.parameters()), layer_units(module)
+            runs = plan_fragments([sum(params[i].numel() for i in u) for u in units],
+                                  fragments)
+        except ValueError as error:
+            raise ValueError(f"rank {comm.rank_of(group)}: {error}") from None
         super().__init__(module, every, outer_lr, outer_momentum, nesterov, group=group)
         self.overlap, self.mixing, self.wire = overlap, mixing, wire
-        units = layer_units(module)
-        self.fragments = [[i for j in run for i in units[j]] for run in
-                          plan_fragments([sum(self.theta[i].numel() for i in u)
-                                          for u in units], fragments)]
+        self.fragments = [[i for j in run for i in units[j]] for run in runs]
         self.offsets = [(k + 1) * every // fragments for k in range(fragments)]
         self.in_flight: dict[int, _Exchange] = {}
         self._applied_at = [-1] * fragments  # the step each fragment last took an average
@@ -120,11 +124,7 @@ class StreamingDiLoCo(DiLoCo):
         self.local_steps += 1
         self.synchronise()
         if self.local_steps % self.every == 0:  # bytes per step over the last H steps
-            full = sum(p.numel() * p.element_size() for p in self.module.parameters())
-            alone = comm.size_of(self.group) == 1
-            self.stats = {"bytes_sent": 0.0 if alone else self._round_bytes / self.every,
-                          "bytes_uncompressed": float(full)}
-            self._round_bytes = 0
+            self._close_round_stats()
 
     def synchronise(self) -> None:
         """This inner step's exchanges: send the fragments whose round ends now, apply the
@@ -153,6 +153,7 @@ class StreamingDiLoCo(DiLoCo):
             if not (self.mixing == 0 and self._applied_at[k] == self.local_steps):
                 self._send(k, due=self.local_steps)
                 self._take_average(k, mixing=0.0)
+        self._average(list(self.module.buffers()), "streaming DiLoCo final buffer average")
 
     # -- one fragment's exchange ---------------------------------------------------------
 
@@ -164,6 +165,7 @@ class StreamingDiLoCo(DiLoCo):
         with torch.no_grad():
             delta = torch.cat([(self.theta[i].detach() - params[i].detach().to(
                 self.theta[i].dtype)).reshape(-1) for i in self.fragments[k]])
+        self._check_finite(k, delta)
         what = f"streaming DiLoCo fragment {k} exchange"
         with timeline.span(f"{what} sent", "comm"):
             if self.wire == "full":
@@ -176,13 +178,26 @@ class StreamingDiLoCo(DiLoCo):
         if k == len(self.fragments) - 1:  # buffers (BatchNorm's statistics): once a round
             self._average(list(self.module.buffers()), "streaming DiLoCo buffer average")
 
+    def _check_finite(self, k: int, delta: torch.Tensor) -> None:
+        """A NaN or inf in any rank's pseudo-gradient would spoil every replica's copy of
+        the fragment (and the 8- and 4-bit formats would hide it): every rank raises,
+        naming the ranks whose training diverged. One small all-reduce per exchange."""
+        rank, size = comm.rank_of(self.group), comm.size_of(self.group)
+        flags = comm.control_tensor([0] * size, self.group)
+        flags[rank] = int(not bool(torch.isfinite(delta).all()))
+        comm.all_reduce(flags, f"streaming DiLoCo fragment {k}: finite everywhere?", self.group)
+        diverged = [r for r, bad in enumerate(flags.tolist()) if bad]
+        if diverged:
+            raise FloatingPointError(
+                f"rank {rank}: streaming DiLoCo fragment {k}'s pseudo-gradient at inner step "
+                f"{self.local_steps} is not finite on rank(s) {diverged}: their training "
+                "diverged (a NaN or inf loss) since the fragment last synced. Lower the "
+                "learning rate, or clip gradients (grad_clip_norm)")
+
     def _send_encoded(self, k: int, delta: torch.Tensor,
                       what: str) -> tuple[torch.Tensor, comm.Pending, int]:
-        if self.residuals is not None:
-            delta = delta.float() + self.residuals[k]
-        payload = wireformat.encode(self.wire, delta)
-        if self.residuals is not None:  # what rounding took, sent with the next exchange
-            self.residuals[k].copy_(delta - wireformat.decode(self.wire, payload, delta.numel()))
+        payload = wireformat.encode_keeping(  # what rounding takes goes with the next one
+            self.wire, delta.float(), None if self.residuals is None else self.residuals[k])
         received = payload.new_empty(payload.numel() * comm.size_of(self.group))
         return received, comm.all_gather_async(received, payload, what, self.group), \
             payload.numel()
@@ -198,13 +213,9 @@ class StreamingDiLoCo(DiLoCo):
                     del self.in_flight[k]  # dropped whole: the fragment goes again
                     raise
             size = comm.size_of(self.group)
-            if self.wire == "full":
-                total = exchange.received
-            else:  # every rank's bytes, decoded and summed in fp32 (in rank order)
-                parts = exchange.received.chunk(size)
-                total = wireformat.decode(self.wire, parts[0], exchange.numel)
-                for part in parts[1:]:
-                    total += wireformat.decode(self.wire, part, exchange.numel)
+            total = exchange.received if self.wire == "full" else \
+                wireformat.decode_sum(self.wire, exchange.received.view(size, -1),
+                                      exchange.numel)  # every rank's bytes, summed in fp32
             exchange.averaged = total.div_(size)
         return exchange.averaged
 
@@ -249,7 +260,8 @@ class StreamingDiLoCo(DiLoCo):
     def _kept(self) -> dict[str, torch.Tensor]:
         if not self._saved:
             total = sum(self._numel(k) for k in range(len(self.fragments)))
-            dtype = self.theta[0].dtype if self.wire == "full" else torch.float32
+            dtype = functools.reduce(torch.promote_types, [t.dtype for t in self.theta]) \
+                if self.wire == "full" else torch.float32
             self._saved = {"streaming.step": torch.zeros(1, dtype=torch.int64),
                            "streaming.due": torch.zeros(len(self.fragments), dtype=torch.int64),
                            "streaming.arrived": torch.zeros(total, dtype=dtype)}
@@ -298,7 +310,8 @@ class StreamingDiLoCo(DiLoCo):
         self.drop_in_flight()
 
 
-def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str) -> None:
+def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str,
+           error_feedback: bool) -> None:
     if every < fragments or fragments < 1:
         raise ValueError(f"streaming DiLoCo staggers its fragments over a round: it needs "
                          f"1 <= fragments <= sync_every; got {fragments} and {every}")
@@ -310,6 +323,10 @@ def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str) -
                          f"parameters kept); got {mixing}")
     if wire not in WIRES:
         raise ValueError(f"unknown wire {wire!r}: choose one of {', '.join(WIRES)}")
+    if error_feedback and wire == "full":
+        raise ValueError("error_feedback=True with wire='full': error feedback carries what a "
+                         "narrower wire rounds off, and full precision rounds nothing. Use "
+                         "it with wire='bf16', 'e4m3', 'int8' or 'int4', or leave it off")
 
 
 @refusing(compress="streaming DiLoCo sends one fragment's pseudo-gradient at a time: "
@@ -339,7 +356,8 @@ class StreamingDiLoCoConfig:
     """The outer Nesterov momentum (0: plain SGD)."""
 
     def validate(self) -> None:
-        _check(self.sync_every, self.fragments, self.overlap, self.mixing, self.wire)
+        _check(self.sync_every, self.fragments, self.overlap, self.mixing, self.wire,
+               self.error_feedback)
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"streaming DiLoCo needs outer_lr > 0 and 0 <= outer_momentum "
                              f"< 1; got {self.outer_lr} and {self.outer_momentum}")

@@ -77,13 +77,38 @@ def decode(name: str, data: torch.Tensor, numel: int) -> torch.Tensor:
     return (values * scales).view(-1)[:numel]
 
 
+def encode_keeping(name: str, values: torch.Tensor,
+                   feedback: torch.Tensor | None) -> torch.Tensor:
+    """`encode`, with error feedback: `feedback` (as large as `values`, or None) is added
+    first and replaced by what this encoding rounds off, to go with the next one. What a
+    non-finite value would leave there is dropped (its step is dropped too), never kept to
+    poison the steps after."""
+    if feedback is None:
+        return encode(name, values)
+    values = values + feedback
+    data = encode(name, values)
+    feedback.copy_(values - decode(name, data, values.numel())).nan_to_num_(0.0, 0.0, 0.0)
+    return data
+
+
+def decode_sum(name: str, parts: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 sum of the `numel` values each row of `parts` (one rank's bytes per row)
+    encodes, added in row order, so every rank that sums the same rows gets the same sum."""
+    total = decode(name, parts[0], numel)
+    for part in parts[1:]:
+        total += decode(name, part, numel)
+    return total
+
+
 def _blocks(values: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`values` padded to whole blocks, each divided by its scale, and the scales: each
-    block's largest magnitude lands on `largest` (a block of zeros keeps scale 1)."""
+    block's largest magnitude lands on `largest` (a block of zeros keeps scale 1). A block
+    with a NaN or inf keeps a non-finite scale, so it decodes to NaN: an integer format
+    would otherwise turn it into a finite value and hide it."""
     flat = values.float().reshape(-1)
     padded = torch.nn.functional.pad(flat, (0, (-flat.numel()) % BLOCK)).view(-1, BLOCK)
     scales = padded.abs().amax(dim=1, keepdim=True) / largest
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    scales = torch.where(scales == 0, torch.ones_like(scales), scales)
     return padded / scales, scales.view(-1)
 
 

@@ -26,9 +26,13 @@ from lockstep.replication import wireformat
 WIRES = ("full", "bf16", "int8")
 
 
-def check(wire: str, stage: int) -> None:
+def check(wire: str, stage: int, error_feedback: bool = False) -> None:
     if wire not in WIRES:
         raise ValueError(f"ZeRO's wire must be one of {', '.join(WIRES)}; got {wire!r}")
+    if error_feedback and wire == "full":
+        raise ValueError("error_feedback=True with wire='full': error feedback carries what a "
+                         "compressed wire rounds off, and full precision rounds nothing. Use "
+                         "wire='bf16' or 'int8' with it, or leave it off")
     if wire != "full" and stage == 1:
         raise ValueError(
             f"ZeRO stage 1 with wire={wire!r}: stage 1 all-reduces whole gradients, as "
@@ -48,20 +52,13 @@ def reduce_scatter(bucket: torch.Tensor, wire: str, what: str, group: comm.Group
     each rank's chunk sent in `wire`. `feedback` (the bucket's size): what the last encoding
     rounded off, added now and replaced by what this one rounds off."""
     size = comm.size_of(group)
-    values = bucket if feedback is None else bucket + feedback
-    chunks = values.view(size, -1)
-    encoded = [wireformat.encode(wire, chunk) for chunk in chunks]
-    if feedback is not None:
-        for chunk, data, kept in zip(chunks, encoded, feedback.view(size, -1), strict=True):
-            kept.copy_(chunk - wireformat.decode(wire, data, chunk.numel()))
-    sent = torch.cat(encoded)
+    chunks = bucket.view(size, -1)
+    kept = [None] * size if feedback is None else list(feedback.view(size, -1))
+    sent = torch.cat([wireformat.encode_keeping(wire, chunk, k)
+                      for chunk, k in zip(chunks, kept, strict=True)])
     received = torch.empty_like(sent)
     comm.all_to_all(received, sent, what, group)
-    parts, numel = received.view(size, -1), chunks.shape[1]
-    total = wireformat.decode(wire, parts[0], numel)
-    for part in parts[1:]:  # in rank order: the same sum on every rank
-        total += wireformat.decode(wire, part, numel)
-    return total.to(bucket.dtype)
+    return wireformat.decode_sum(wire, received.view(size, -1), chunks.shape[1]).to(bucket.dtype)
 
 
 class DecodingGather:

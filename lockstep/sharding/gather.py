@@ -102,6 +102,8 @@ class Gatherer:
             if u not in self.order:
                 self.order.append(u)
             return
+        if self.exact:  # every unit gathered in turn, each exactly: nothing to prefetch
+            return
         if u in self.order:
             j = self.order.index(u) + (-1 if backward else 1)
             if 0 <= j < len(self.order):

@@ -76,7 +76,7 @@ class ShardedDataParallel(DataParallel):
                  wire: str = "full", error_feedback: bool = False, **kwargs: Any) -> None:
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
-        compressed.check(wire, stage)
+        compressed.check(wire, stage, error_feedback)
         for name in ("algorithm", "compress", "reduction"):
             if kwargs.get(name) not in (None, "native"):
                 raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
@@ -86,12 +86,16 @@ class ShardedDataParallel(DataParallel):
         self.mirror = MIRRORED.get() if mirror is None else mirror
         if self.mirror and wire != "full":
             raise ValueError(
-                f"ZeRO with wire={wire!r} under fault tolerance: a mirrored shard is the next "
+                f"rank {comm.rank_of(kwargs.get('group'))}: ZeRO with wire={wire!r} "
+                "under fault tolerance: a mirrored shard is the next "
                 "rank's master, reduce-scattered a second time and rebuilt exactly after a "
                 "death; the compressed collectives do not carry it yet. Use wire='full' with "
                 "elastic=, or the compressed wire without it")
         self.gatherer: Gatherer | None = None
         super().__init__(module, **kwargs)
+        if stage < 3 and wire != "full":  # the forward computes with decoded copies from
+            for g in self.zero_groups:     # the first step on, not only after the first gather
+                g.start_gather("gather of decoded parameters", self.group).wait()
 
     def _make_reduction(self, algorithm: str, compress: Any,
                         reduction: Reduction | None) -> Reduction:
@@ -175,7 +179,8 @@ class ShardedDataParallel(DataParallel):
         own = self.stage == 3 or self.wire != "full"  # masters in memory of their own
         params = flats + ([g.shard_param for g in groups] if own else [])
         grads = ([b.flat for b in self.reducer.buckets if b.flat.untyped_storage().nbytes()]
-                 + ([g.shard_grad for g in groups] if self.stage > 1 else []))
+                 + ([g.shard_grad for g in groups] if self.stage > 1 else [])
+                 + list(getattr(self.reduction, "feedback", None) or []))  # error feedback
         return memory.held(params, optimizer, grads)
 
     def abandon(self) -> None:
@@ -239,7 +244,7 @@ class ShardConfig:
         if self.stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         check_mode(self.nonfinite)
-        compressed.check(self.wire, self.stage)
+        compressed.check(self.wire, self.stage, self.error_feedback)
 
     def build(self, module: nn.Module) -> ShardedDataParallel:
         return shard(module, self.stage, bucket_mb=self.bucket_mb,

@@ -288,7 +288,10 @@ class ShardedReduction(Reduction):
 
     def drop_step(self, buckets: Sequence[Bucket]) -> None:
         """A step dropped for a non-finite gradient: the optimizer skips shards without a
-        gradient (`finish` gives them back next time)."""
+        gradient (`finish` gives them back next time). What the dropped gradients' encoding
+        rounded off goes with them."""
+        for kept in self.feedback or []:
+            kept.zero_()
         for group in self.groups:
             group.shard_param.grad = None
             if group.mirror_param is not None:

@@ -42,7 +42,7 @@ def for_files(bundle: dict[str, Any], own_optimizer: bool,
     number of ranks that wrote the checkpoint (`saved_world_size`). The tensors are views:
     filling the result fills `bundle`."""
     rank = dist.get_rank()
-    same = saved_ranks in (None, dist.get_world_size())
+    same = own_state_kept(saved_ranks)
     extra = bundle.get("extra", {})
     own_params = any(k.startswith(f"{PER_RANK}streaming.local.") for k in extra)
     feedback = any(k.startswith(PER_RANK) and not k.startswith(f"{PER_RANK}streaming.local.")
@@ -69,6 +69,12 @@ def for_files(bundle: dict[str, Any], own_optimizer: bool,
                    _own(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
             for name, state in bundle["optim"]["state"].items()}}
     return out
+
+
+def own_state_kept(saved_ranks: int | None) -> bool:
+    """Whether each rank finds its own state in a checkpoint written by `saved_ranks`
+    ranks (None: unknown, taken as this world's)."""
+    return saved_ranks in (None, dist.get_world_size())
 
 
 def saved_world_size(folder: Path) -> int | None:

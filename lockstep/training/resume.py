@@ -19,7 +19,7 @@ import torch
 
 from lockstep import comm
 from lockstep.comm.world import World
-from lockstep.training import checkpoint, jobnote
+from lockstep.training import checkpoint, jobnote, rank_state
 from lockstep.training.sampler import ShardedSampler
 
 
@@ -128,7 +128,7 @@ class Checkpoints:
         self._check_resumable(folder, saved)
         loaded = getattr(self.model, "loaded", None)  # a wrapper taking up its own state
         if loaded is not None:
-            loaded(own_state=saved["world_size"] == self.world.world_size)
+            loaded(own_state=rank_state.own_state_kept(saved.get("world_size")))
         state = RunState(saved["epoch"], saved["step_in_epoch"], saved["global_step"],
                          history=saved["history"])
         if self.scheduler is not None and saved["scheduler"] is not None:
