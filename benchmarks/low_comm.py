@@ -24,9 +24,11 @@ link's use over time). Needs root.
 The default model is an MLP (784-1024-1024-10, 1.9M parameters): 7.5 MB of gradient for
 little compute, the regime these modes are for, where the link sets the pace. `--model
 cnn` runs the demo's CNN (0.2M parameters), where compute on this machine's two shared
-cores is a large part of a synchronous step and so caps what any mode can gain.
+cores is a large part of a synchronous step and so caps what any mode can gain. `--model
+gpt` trains the char-GPT (1.8M parameters, 400 steps of 48 sequences of the KJV text) to a
+training loss of 1.9.
 
-    python benchmarks/low_comm.py [--model mlp|cnn] [--bandwidth 100mbit] [--target 0.35]
+    python benchmarks/low_comm.py [--model mlp|cnn|gpt] [--bandwidth 100mbit] [--target 0.35]
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import json
 import os
 import shutil
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,9 +47,10 @@ import torch
 from torch import nn
 
 import lockstep
-from lockstep.demo.data import mnist
-from lockstep.demo.models import small_cnn
-from lockstep.tools.cluster import Cluster, cluster_available
+from lockstep.demo.data import kjv_chars, mnist
+from lockstep.demo.models import CharGPT, small_cnn
+from lockstep.tools.bench import run_on_cluster
+from lockstep.tools.cluster import cluster_available
 from lockstep.training import configfile
 from lockstep.training.runlog import read_metrics
 
@@ -68,30 +70,35 @@ MODES: dict[str, dict[str, Any]] = {
     # average after the last step): the fastest any mode could be
     "no-comm ceiling": {"parallel": {"mode": "local_sgd", "sync_every": 10 ** 9}},
 }
-SAMPLE_S = 0.05  # how often the link's byte counter is read
 
 
-def build(model: str) -> nn.Module:
-    if model == "cnn":
-        return small_cnn()
-    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024),
-                         nn.ReLU(), nn.Linear(1024, 10))
-
-
-def worker(mode: str, model: str, epochs: int, out: Path) -> None:
-    world = lockstep.init()
+def build(model: str) -> tuple[nn.Module, Any, Any, dict[str, Any]]:
+    """The model, its (train, test) data and its recipe."""
+    if model == "gpt":  # the char-GPT on the KJV text, 400 steps
+        train, test = kjv_chars(block_size=64)
+        return CharGPT(vocab=len(train.vocab)), train, test, dict(
+            max_steps=400, lr=3e-3, warmup_steps=50, grad_clip_norm=1.0, eval_batch_size=512)
     train, test = mnist()
+    if model == "cnn":
+        return small_cnn(), train, test, dict(epochs=2, lr=1e-3)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024),
+                         nn.ReLU(), nn.Linear(1024, 10)), train, test, dict(epochs=2, lr=1e-3)
+
+
+def worker(mode: str, model_name: str, out: Path) -> None:
+    world = lockstep.init()
     settings = {k: dict(v) for k, v in MODES[mode].items()}
     if settings.get("parallel", {}).get("compress") == "powersgd":
         settings["parallel"]["compress"] = lockstep.PowerSGD(rank=4, warmup_steps=10)
     torch.manual_seed(0)
+    model, train, test, recipe = build(model_name)
     config = configfile.apply(lockstep.TrainConfig(
-        global_batch_size=GLOBAL_BATCH, epochs=epochs, lr=1e-3,
+        global_batch_size=GLOBAL_BATCH, **recipe,
         run_dir=str(out.parent / out.stem), progress=False, log_every_steps=5,
         checkpoint=lockstep.CheckpointConfig(resume="never")), settings, mode)
     entry = lockstep.AsyncTrainer if isinstance(config.parallel, lockstep.AsyncConfig) \
         else lockstep.Trainer
-    trainer = entry(build(model), lambda p: torch.optim.Adam(p), train, test, config=config)
+    trainer = entry(model, lambda p: torch.optim.Adam(p), train, test, config=config)
     started = time.time()
     summary = trainer.fit()
     if world.is_main:
@@ -105,32 +112,6 @@ def time_to_target(run_dir: Path, started: float, target: float) -> tuple[float,
     reached = next((t for t, loss in zip(times, losses, strict=True) if loss <= target),
                    float("inf"))
     return reached, times, losses
-
-
-def run_watching_link(bandwidth: str, result: Path, args: list[str]
-                      ) -> tuple[Any, list[tuple[float, int]]]:
-    """One job on 2 hosts x 2 processes, and host 0's link counter every SAMPLE_S seconds:
-    (time, bytes host 0 has sent)."""
-    link: list[tuple[float, int]] = []
-    with Cluster(hosts=2, bandwidth=bandwidth) as cluster:
-        done = threading.Event()
-
-        def watch() -> None:
-            while not done.wait(SAMPLE_S):
-                link.append((time.time(), cluster.sent_bytes(0)))
-
-        watcher = threading.Thread(target=watch, daemon=True)
-        watcher.start()
-        try:
-            hosts = cluster.run_job(2, os.path.abspath(__file__), args, port=29430)
-        finally:
-            done.set()
-            watcher.join()
-    if any(host.returncode for host in hosts):
-        for host in hosts:
-            print(host.stderr[-3000:], file=sys.stderr)
-        return None, link
-    return json.loads(result.read_text()), link
 
 
 def peak_rate(link: list[tuple[float, int]], window_s: float = 1.0) -> float:
@@ -155,15 +136,17 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bandwidth", default="100mbit")
-    p.add_argument("--target", type=float, default=0.35, help="training loss to reach")
-    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--target", type=float, default=None,
+                   help="training loss to reach (default: 0.35 on MNIST, 1.9 for the char-GPT)")
+    p.add_argument("--model", choices=["mlp", "cnn", "gpt"], default="mlp")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     p.add_argument("--out", default="runs/bench/low_comm")
     p.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.target is None:
+        args.target = 1.9 if args.model == "gpt" else 0.35
     if args.worker:
-        worker(args.worker[0], args.model, args.epochs, Path(args.worker[1]))
+        worker(args.worker[0], args.model, Path(args.worker[1]))
         return 0
     reason = cluster_available()
     if reason is not None:
@@ -176,8 +159,10 @@ def main() -> int:
         result = out / f"{mode.split()[0].replace('+', '')}-{len(rows)}.json"
         print(f"{mode} ...", flush=True)
         shutil.rmtree(result.parent / result.stem, ignore_errors=True)  # a fresh run each time
-        saved, link = run_watching_link(args.bandwidth, result, [
-            "--worker", mode, str(result), "--epochs", str(args.epochs), "--model", args.model])
+        link: list[tuple[float, int]] = []  # host 0's link counter over time
+        saved = run_on_cluster(args.bandwidth, 2, os.path.abspath(__file__), [
+            "--worker", mode, str(result), "--model", args.model],
+            29430, result, link=link)
         if saved is None:
             continue
         run_dir = result.parent / result.stem

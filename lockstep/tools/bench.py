@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -20,6 +21,8 @@ import torch.distributed as dist
 
 from lockstep import comm
 from lockstep.tools.cluster import Cluster
+
+LINK_SAMPLE_S = 0.05  # how often run_on_cluster(link=...) reads host 0's link counter
 
 
 def time_modes(steps_by_mode: dict[str, Callable[[], None]], rounds: int, steps: int
@@ -41,17 +44,32 @@ def time_modes(steps_by_mode: dict[str, Callable[[], None]], rounds: int, steps:
 
 
 def run_on_cluster(bandwidth: str, nproc: int, script: str, args: Sequence[str], port: int,
-                   result: Path, show_output: bool = False, hosts: int = 2) -> Any:
+                   result: Path, show_output: bool = False, hosts: int = 2,
+                   link: list[tuple[float, int]] | None = None) -> Any:
     """Run `script` on `hosts` emulated hosts joined at `bandwidth`, `nproc` processes each, and
     read the JSON it leaves in `result`; None, with each host's last errors printed, when
-    a host failed. `show_output` echoes the hosts' stdout (progress lines)."""
+    a host failed. `show_output` echoes the hosts' stdout (progress lines). `link`: filled
+    with (time, bytes host 0 has sent on its link) every LINK_SAMPLE_S while the job runs."""
     with Cluster(hosts=hosts, bandwidth=bandwidth) as cluster:
-        done = cluster.run_job(nproc, script, list(args), port=port)
+        done, watcher = threading.Event(), None
+        if link is not None:
+            def watch() -> None:
+                while not done.wait(LINK_SAMPLE_S):
+                    link.append((time.time(), cluster.sent_bytes(0)))
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+        try:
+            finished = cluster.run_job(nproc, script, list(args), port=port)
+        finally:
+            done.set()
+            if watcher is not None:
+                watcher.join()
     if show_output:
-        for host in done:
+        for host in finished:
             print(host.stdout, end="")
-    if any(host.returncode for host in done):
-        for host in done:
+    if any(host.returncode for host in finished):
+        for host in finished:
             print(host.stderr[-3000:], file=sys.stderr)
         return None
     return json.loads(result.read_text())
