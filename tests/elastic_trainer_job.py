@@ -62,8 +62,8 @@ def main() -> None:
                    "worker is waiting to join (so a test's joiner always finds the job)")
     p.add_argument("--hold-for", default=None, help="with --hold-at: wait at that step "
                    "until this file exists instead (a test's joiners have been dealt with)")
-    p.add_argument("--mode", default="sync", choices=["sync", "diloco", "zero1", "zero2",
-                                                      "zero3"])
+    p.add_argument("--mode", default="sync", choices=["sync", "diloco", "streaming", "zero1",
+                                                      "zero2", "zero3"])
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
                    "with another width differs from the job)")
@@ -76,6 +76,8 @@ def main() -> None:
     parallel: Any = lockstep.SyncConfig()
     if args.mode == "diloco":
         parallel = lockstep.DiLoCoConfig(sync_every=4)
+    elif args.mode == "streaming":  # one layer: one fragment, its exchange a step in flight
+        parallel = lockstep.StreamingDiLoCoConfig(sync_every=4, fragments=1, overlap=1)
     elif args.mode.startswith("zero"):
         parallel = lockstep.ShardConfig(stage=int(args.mode[-1]))
     config = lockstep.TrainConfig(

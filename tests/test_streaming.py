@@ -18,7 +18,7 @@ from lockstep.lowcomm.streaming import StreamingDiLoCo, layer_units, plan_fragme
 from lockstep.replication import wireformat
 from lockstep.testing import World
 from tests.models import digest, make_model
-from tests.test_elastic import _check_history, _kill_and_rejoin
+from tests.test_elastic import ROOT, _check_history, _kill_and_rejoin
 from tests.test_lowcomm import gap, run
 from tests.test_trainer import digit_sets
 
@@ -127,6 +127,22 @@ def test_streaming_diloco_drops_the_exchange_in_flight_and_goes_on(tmp_path: Pat
     finals = _check_history(run, steps, 12, round_steps=4, overlap=1)
     assert all(f["params"] == finals[0]["params"] for f in finals)
     assert [g for g in finals[0]["regroups"] if g["joined"]]
+
+
+def test_streaming_diloco_in_the_trainer_goes_on_through_a_kill_and_a_join(
+        tmp_path: Path) -> None:
+    """The same under the Trainer's elastic= (its checkpoints and evaluation going on): the
+    survivors drop what was in flight, the joiner comes in once they are level, and every
+    worker ends with the same model."""
+    from tests.test_elastic_trainer import order
+
+    steps = 60
+    run = _kill_and_rejoin(tmp_path, ["--steps", str(steps), "--pace", "0.04", "--mode",
+                                      "streaming", "--hold-at", "32"], kill_at=9,
+                           job=str(ROOT / "tests" / "elastic_trainer_job.py"))
+    finals = _check_history(run, steps, 12, round_steps=4, overlap=1, order=order)
+    assert all(f["params"] == finals[0]["params"] for f in finals)
+    assert "joined, state sent from rank 0; 2 -> 3 workers" in run["stderr"]
 
 
 def diverged(wire: str) -> str:
