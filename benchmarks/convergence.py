@@ -80,6 +80,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-20-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
                                        "fragments": 4, "overlap": 2, "wire": "int4",
                                        "error_feedback": True}},
+    # the outer settings that suit few workers and short runs (as DiLoCo-50-m.5 does)
+    "Streaming-20-int4-m.5": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
+                                           "fragments": 4, "overlap": 2, "wire": "int4",
+                                           "error_feedback": True, "outer_lr": 1.0,
+                                           "outer_momentum": 0.5}},
     # ZeRO with its collectives in fewer bits (its fp32 counterpart: ZeRO-2, ZeRO-3)
     "ZeRO-2": {"parallel": {"mode": "shard", "stage": 2}},
     "ZeRO-2-int8": {"parallel": {"mode": "shard", "stage": 2, "wire": "int8",
