@@ -10,7 +10,7 @@ workers), streaming DiLoCo (in full precision and 4-bit) and ZeRO with int8 or b
 collectives, against synchronous fp32. Prints test accuracy and final test loss side by
 side, with the gap to the baseline. `--nproc 4` runs 4 workers instead of 2.
 
-    python benchmarks/convergence.py                       # everything (~60 minutes)
+    python benchmarks/convergence.py                       # everything (~3 hours)
     python benchmarks/convergence.py --tasks mnist --variants fp32 bf16 fp16
     python benchmarks/convergence.py --tasks chargpt --variants fp32 PowerSGD-4 \
         --chargpt-steps 1913 --out runs/bench/convergence-epoch   # one epoch of the text

@@ -16,10 +16,11 @@ same global batch (48):
 
 For each: wall-clock seconds until the training loss (averaged over 5 steps and all ranks)
 first reaches the target, seconds per step, bytes each rank sends per step, and the peak
-link use: the most bytes host 0 sent within any one second (its link's counter read every
-50 ms).
+link use: the most bytes host 0 sent within any one second of training (its link's counter
+read every 50 ms, from the first step to the last: not the start's broadcast of the model,
+nor the final sync).
 Prints a table and the issue's ratios, and writes low_comm.png (loss against time, and the
-link's use over time). Needs root.
+link's use over time) and results.json. Needs root.
 
 The default model is an MLP (784-1024-1024-10, 1.9M parameters): 7.5 MB of gradient for
 little compute, the regime these modes are for, where the link sets the pace. `--model
@@ -167,11 +168,15 @@ def main() -> int:
             continue
         run_dir = result.parent / result.stem
         reached, times, losses = time_to_target(run_dir, saved["started"], args.target)
-        link = [(t - saved["started"], sent) for t, sent in link]
+        # The training steps only: not the start's broadcast of the model, nor the end's
+        # (streaming DiLoCo's finish syncs every fragment at once, for one final model)
+        link = [(t - saved["started"], sent) for t, sent in link
+                if 0 <= t - saved["started"] <= times[-1]]
         rows[mode] = {"seconds": reached, "bytes": bytes_per_step(run_dir),
                       "accuracy": saved["summary"]["test_accuracy"], "times": times,
                       "losses": losses, "per_step": times[-1] / saved["summary"]["steps"],
                       "link": link, "peak": peak_rate(link)}
+    (out / "results.json").write_text(json.dumps(rows))  # the link samples too
     report(rows, args.target, args.bandwidth, args.model, out)
     return 0
 
