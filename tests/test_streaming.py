@@ -188,3 +188,14 @@ def batchnorm_after_finish(mixing: float) -> list[float]:
 def test_finish_leaves_buffers_identical(world2: World) -> None:
     first, second = world2.run(batchnorm_after_finish, 0.0)
     assert first == second
+
+
+@pytest.mark.parametrize("settings,reason", [
+    ({"fragments": 0}, "1 <= fragments <= sync_every"),
+    ({"sync_every": 4, "overlap": 4}, "overlap must be 0 <= overlap < sync_every"),
+    ({"mixing": 1.0}, "mixing must be 0 <= mixing < 1"),
+    ({"wire": "int2"}, "wire must be one of full, bf16, e4m3, int8, int4"),
+    ({"error_feedback": True}, "full precision rounds nothing")])
+def test_settings_are_checked_with_the_reason(settings: dict[str, object], reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        lockstep.StreamingDiLoCoConfig(**settings).validate()  # type: ignore[arg-type]

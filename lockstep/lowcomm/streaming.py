@@ -321,12 +321,7 @@ def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str,
     if not 0 <= mixing < 1:
         raise ValueError(f"mixing must be 0 <= mixing < 1 (the share of the rank's own "
                          f"parameters kept); got {mixing}")
-    if wire not in WIRES:
-        raise ValueError(f"unknown wire {wire!r}: choose one of {', '.join(WIRES)}")
-    if error_feedback and wire == "full":
-        raise ValueError("error_feedback=True with wire='full': error feedback carries what a "
-                         "narrower wire rounds off, and full precision rounds nothing. Use "
-                         "it with wire='bf16', 'e4m3', 'int8' or 'int4', or leave it off")
+    wireformat.check_choice(wire, WIRES, error_feedback, "streaming DiLoCo")
 
 
 @refusing(compress="streaming DiLoCo sends one fragment's pseudo-gradient at a time: "

@@ -20,6 +20,8 @@ there is no 4-bit addition to ask a backend for).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 BLOCK = 64
@@ -30,9 +32,16 @@ _INT8_MAX = 127
 _LARGEST = {"e4m3": _E4M3_MAX, "int8": _INT8_MAX, "int4": _INT4_MAX}
 
 
-def check(name: str) -> None:
-    if name not in FORMATS:
-        raise ValueError(f"unknown wire format {name!r}: choose one of {', '.join(FORMATS)}")
+def check_choice(wire: str, allowed: Sequence[str], error_feedback: bool, who: str) -> None:
+    """`wire` is one of `allowed` ("full": the tensors' own precision, sent as they are), and
+    error feedback is asked for only where a format rounds something off."""
+    if wire not in allowed:
+        raise ValueError(f"{who}'s wire must be one of {', '.join(allowed)}; got {wire!r}")
+    if error_feedback and wire == "full":
+        narrow = " or ".join(repr(w) for w in allowed if w != "full")
+        raise ValueError(f"error_feedback=True with wire='full': error feedback carries what a "
+                         f"narrower wire rounds off, and full precision rounds nothing. Use it "
+                         f"with wire={narrow}, or leave it off")
 
 
 def encoded_bytes(name: str, numel: int) -> int:

@@ -27,12 +27,7 @@ WIRES = ("full", "bf16", "int8")
 
 
 def check(wire: str, stage: int, error_feedback: bool = False) -> None:
-    if wire not in WIRES:
-        raise ValueError(f"ZeRO's wire must be one of {', '.join(WIRES)}; got {wire!r}")
-    if error_feedback and wire == "full":
-        raise ValueError("error_feedback=True with wire='full': error feedback carries what a "
-                         "compressed wire rounds off, and full precision rounds nothing. Use "
-                         "wire='bf16' or 'int8' with it, or leave it off")
+    wireformat.check_choice(wire, WIRES, error_feedback, "ZeRO")
     if wire != "full" and stage == 1:
         raise ValueError(
             f"ZeRO stage 1 with wire={wire!r}: stage 1 all-reduces whole gradients, as "
