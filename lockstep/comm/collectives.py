@@ -289,7 +289,16 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, what: str,
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
                    group: Group = None) -> torch.Tensor:
-    """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`."""
+    """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`. On
+    Gloo as an all-to-all and a sum here, in rank order: Gloo's reduce-scatter sends as
+    much as an all-reduce of the whole tensor (measured: ZeRO-2 put 10.9 MB a step on the
+    wire for a 7.2 MB model, where a reduce-scatter and a gather need 7.2), an all-to-all
+    each rank only the slices the others keep."""
+    if dist.get_backend(group) == "gloo":
+        received = torch.empty_like(tensor)
+        all_to_all(received, tensor, what, group)
+        torch.sum(received.view(size_of(group), -1), dim=0, out=output.view(-1))
+        return output
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # newer name
     work = _run(what, scatter, output, tensor, group=group, async_op=True)
     Pending(work, what).wait()
