@@ -83,6 +83,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-10-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
                                        "fragments": 4, "overlap": 2, "wire": "int4",
                                        "error_feedback": True}},
+    "Streaming-10-int4-a0": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
+                                          "fragments": 4, "overlap": 2, "wire": "int4",
+                                          "error_feedback": True, "mixing": 0.0}},
     # the outer settings that suit few workers and short runs (as DiLoCo-50-m.5 does)
     "Streaming-20-int4-m.5": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
                                            "fragments": 4, "overlap": 2, "wire": "int4",
