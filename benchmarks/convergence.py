@@ -41,6 +41,15 @@ def _compressed(kind: Any, **options: Any) -> dict[str, Any]:
     """A variant whose compressor is made for the recipe's warm-up (sent whole until then)."""
     return {"parallel": {"compress": lambda warmup: kind(**options, warmup_steps=warmup)}}
 
+
+def _streaming(every: int, int4: bool = False, **options: Any) -> dict[str, Any]:
+    """A streaming DiLoCo variant: 4 fragments, overlap 2 unless `options` say otherwise;
+    `int4`: pseudo-gradients in 4 bits with error feedback."""
+    wire = {"wire": "int4", "error_feedback": True} if int4 else {}
+    return {"parallel": {"mode": "streaming_diloco", "sync_every": every, "fragments": 4,
+                         "overlap": 2, **wire, **options}}
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "bf16": {"precision": "bf16"},
@@ -70,36 +79,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Streaming DiLoCo: 4 fragments on staggered rounds, each exchange applied 2 steps late
     # and mixed half into the local progress (the paper's alpha 0.5); in full precision or
     # 4-bit, with error feedback
-    "Streaming-50": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
-                                  "fragments": 4, "overlap": 2}},
-    "Streaming-50-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
-                                       "fragments": 4, "overlap": 2, "wire": "int4",
-                                       "error_feedback": True}},
-    "Streaming-20": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
-                                  "fragments": 4, "overlap": 2}},
-    "Streaming-20-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
-                                       "fragments": 4, "overlap": 2, "wire": "int4",
-                                       "error_feedback": True}},
-    "Streaming-10-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
-                                       "fragments": 4, "overlap": 2, "wire": "int4",
-                                       "error_feedback": True}},
-    "Streaming-10-int4-o1": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
-                                          "fragments": 4, "overlap": 1, "wire": "int4",
-                                          "error_feedback": True}},
-    "Streaming-10-int4-a.75": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
-                                            "fragments": 4, "overlap": 2, "wire": "int4",
-                                            "error_feedback": True, "mixing": 0.75}},
-    "Streaming-5-int4": {"parallel": {"mode": "streaming_diloco", "sync_every": 5,
-                                      "fragments": 4, "overlap": 1, "wire": "int4",
-                                      "error_feedback": True}},
-    "Streaming-10-int4-a0": {"parallel": {"mode": "streaming_diloco", "sync_every": 10,
-                                          "fragments": 4, "overlap": 2, "wire": "int4",
-                                          "error_feedback": True, "mixing": 0.0}},
+    "Streaming-50": _streaming(50),
+    "Streaming-50-int4": _streaming(50, int4=True),
+    "Streaming-20": _streaming(20),
+    "Streaming-20-int4": _streaming(20, int4=True),
+    "Streaming-10-int4": _streaming(10, int4=True),
+    "Streaming-10-int4-o1": _streaming(10, int4=True, overlap=1),
+    "Streaming-10-int4-a.75": _streaming(10, int4=True, mixing=0.75),
+    "Streaming-5-int4": _streaming(5, int4=True, overlap=1),
+    "Streaming-10-int4-a0": _streaming(10, int4=True, mixing=0.0),
     # the outer settings that suit few workers and short runs (as DiLoCo-50-m.5 does)
-    "Streaming-20-int4-m.5": {"parallel": {"mode": "streaming_diloco", "sync_every": 20,
-                                           "fragments": 4, "overlap": 2, "wire": "int4",
-                                           "error_feedback": True, "outer_lr": 1.0,
-                                           "outer_momentum": 0.5}},
+    "Streaming-20-int4-m.5": _streaming(20, int4=True, outer_lr=1.0, outer_momentum=0.5),
     # ZeRO with its collectives in fewer bits (its fp32 counterpart: ZeRO-2, ZeRO-3)
     "ZeRO-2": {"parallel": {"mode": "shard", "stage": 2}},
     "ZeRO-2-int8": {"parallel": {"mode": "shard", "stage": 2, "wire": "int8",

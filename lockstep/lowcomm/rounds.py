@@ -22,7 +22,7 @@ They report bytes on the wire per step, averaged over the H-step round.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -185,23 +185,38 @@ class DiLoCo(_Replica):
                                      nesterov=nesterov and outer_momentum > 0)
 
     def synchronise(self) -> None:
-        params = list(self.module.parameters())
-        pseudo = [t.detach() - p.detach().to(t.dtype) for t, p in zip(self.theta, params,
-                                                                        strict=True)]
-        flat = torch.cat([g.reshape(-1) for g in pseudo])
+        everything = range(len(self.theta))
+        flat = self._pseudo_gradient(everything)
         wire = flat.to(torch.bfloat16) if self.bf16 else flat
         comm.all_reduce(wire, "DiLoCo pseudo-gradient all-reduce", self.group)
         self._round_bytes += wire.numel() * wire.element_size()
-        averaged = wire.to(flat.dtype).div_(comm.size_of(self.group))
-        for t, piece in zip(self.theta, averaged.split([t.numel() for t in self.theta]),
-                            strict=True):
-            t.grad = piece.view_as(t).to(t.dtype)
-        self.outer.step()
-        with torch.no_grad():
-            for t, p in zip(self.theta, params, strict=True):
-                p.copy_(t)
+        self._outer_step(everything, wire.to(flat.dtype).div_(comm.size_of(self.group)))
         # Buffers (BatchNorm statistics) have no gradient: average them as local SGD does.
         self._average(list(self.module.buffers()), "DiLoCo buffer average")
+
+    def _pseudo_gradient(self, indices: Sequence[int]) -> torch.Tensor:
+        """theta minus this rank's parameters, for the parameters at `indices`, flat."""
+        params = list(self.module.parameters())
+        with torch.no_grad():
+            return torch.cat([(self.theta[i].detach() - params[i].detach().to(
+                self.theta[i].dtype)).reshape(-1) for i in indices])
+
+    def _outer_step(self, indices: Sequence[int], averaged: torch.Tensor,
+                    mixing: float = 0.0) -> None:
+        """The outer step on the averaged pseudo-gradient (flat) of the parameters at
+        `indices`, taken into them; `mixing` of their own values is kept (streaming)."""
+        mine = [self.theta[i] for i in indices]
+        for t, piece in zip(mine, averaged.split([t.numel() for t in mine]), strict=True):
+            t.grad = piece.view_as(t).to(t.dtype)
+        self.outer.step()  # (a parameter without a gradient is left as it is)
+        self.outer.zero_grad(set_to_none=True)
+        params = list(self.module.parameters())
+        with torch.no_grad():
+            for i in indices:
+                if mixing == 0:
+                    params[i].copy_(self.theta[i])
+                else:
+                    params[i].lerp_(self.theta[i].to(params[i].dtype), 1 - mixing)
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The outer state, for checkpoints (loaded in place): theta and the outer

@@ -106,11 +106,15 @@ class StreamingDiLoCo(DiLoCo):
         super().__init__(module, every, outer_lr, outer_momentum, nesterov, group=group)
         self.overlap, self.mixing, self.wire = overlap, mixing, wire
         self.fragments = [[i for j in run for i in units[j]] for run in runs]
+        # where each fragment lies in the model's flat pseudo-gradient (checkpoints keep one)
+        sizes = [sum(self.theta[i].numel() for i in f) for f in self.fragments]
+        self.spans = [slice(end - size, end)
+                      for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
         self.offsets = [(k + 1) * every // fragments for k in range(fragments)]
         self.in_flight: dict[int, _Exchange] = {}
         self._applied_at = [-1] * fragments  # the step each fragment last took an average
-        self.residuals = ([torch.zeros(self._numel(k), dtype=torch.float32)
-                           for k in range(fragments)] if error_feedback else None)
+        self.residuals = ([torch.zeros(s.stop - s.start, dtype=torch.float32)
+                           for s in self.spans] if error_feedback else None)
         self._saved: dict[str, torch.Tensor] = {}  # checkpoint_tensors' buffers, reused
 
     # -- the schedule -------------------------------------------------------------------
@@ -157,14 +161,8 @@ class StreamingDiLoCo(DiLoCo):
 
     # -- one fragment's exchange ---------------------------------------------------------
 
-    def _numel(self, k: int) -> int:
-        return sum(self.theta[i].numel() for i in self.fragments[k])
-
     def _send(self, k: int, due: int) -> None:
-        params = list(self.module.parameters())
-        with torch.no_grad():
-            delta = torch.cat([(self.theta[i].detach() - params[i].detach().to(
-                self.theta[i].dtype)).reshape(-1) for i in self.fragments[k]])
+        delta = self._pseudo_gradient(self.fragments[k])
         self._check_finite(k, delta)
         what = f"streaming DiLoCo fragment {k} exchange"
         with timeline.span(f"{what} sent", "comm"):
@@ -225,19 +223,7 @@ class StreamingDiLoCo(DiLoCo):
             averaged = self._arrived(k)
             del self.in_flight[k]
         self._applied_at[k] = self.local_steps
-        mine = [self.theta[i] for i in self.fragments[k]]
-        for t, piece in zip(mine, averaged.split([t.numel() for t in mine]), strict=True):
-            t.grad = piece.view_as(t).to(t.dtype)
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)  # the next step is another fragment's
-        params = list(self.module.parameters())
-        with torch.no_grad():
-            for i in self.fragments[k]:
-                shared = self.theta[i].to(params[i].dtype)
-                if mixing == 0:
-                    params[i].copy_(shared)
-                else:
-                    params[i].lerp_(shared, 1 - mixing)
+        self._outer_step(self.fragments[k], averaged, mixing)
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -250,8 +236,7 @@ class StreamingDiLoCo(DiLoCo):
         saved["streaming.step"].fill_(self.local_steps)
         saved["streaming.due"].fill_(-1)
         for k in list(self.in_flight):
-            start = sum(self._numel(j) for j in range(k))
-            saved["streaming.arrived"][start:start + self._numel(k)].copy_(self._arrived(k))
+            saved["streaming.arrived"][self.spans[k]].copy_(self._arrived(k))
             saved["streaming.due"][k] = self.in_flight[k].due
         for i, p in enumerate(self.module.parameters()):
             saved[f"{PER_RANK}streaming.local.{i}"].copy_(p.detach())
@@ -259,7 +244,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def _kept(self) -> dict[str, torch.Tensor]:
         if not self._saved:
-            total = sum(self._numel(k) for k in range(len(self.fragments)))
+            total = self.spans[-1].stop
             dtype = functools.reduce(torch.promote_types, [t.dtype for t in self.theta]) \
                 if self.wire == "full" else torch.float32
             self._saved = {"streaming.step": torch.zeros(1, dtype=torch.int64),
@@ -278,13 +263,11 @@ class StreamingDiLoCo(DiLoCo):
         saved = self._kept()
         self.local_steps = int(saved["streaming.step"].item())
         self.in_flight.clear()
-        start = 0
-        for k in range(len(self.fragments)):
-            numel, due = self._numel(k), int(saved["streaming.due"][k].item())
+        for k, (span, due) in enumerate(zip(self.spans, saved["streaming.due"].tolist(),
+                                            strict=True)):
             if due >= 0:
-                averaged = saved["streaming.arrived"][start:start + numel].clone()
-                self.in_flight[k] = _Exchange(due, None, averaged, numel, averaged)
-            start += numel
+                averaged = saved["streaming.arrived"][span].clone()
+                self.in_flight[k] = _Exchange(due, None, averaged, averaged.numel(), averaged)
         if own_state:
             with torch.no_grad():
                 for i, p in enumerate(self.module.parameters()):

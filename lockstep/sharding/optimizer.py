@@ -17,7 +17,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
-from lockstep.sharding.zero import FlatGroup
+from lockstep.sharding.zero import FlatGroup, gather_all
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -207,16 +207,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return whole[group.mirror].clone()
 
     def gather_params(self, what: str) -> None:
-        """Stages 1-2: make every rank's whole parameters from the shards. Each shard is its
-        rank's slice of `flat` already; all gathers launched, then waited, so the backend
-        may run them side by side."""
+        """Stages 1-2: make every rank's whole parameters from the shards."""
         with timeline.span(f"{what} (ZeRO-{self.stage})", "comm"):
-            gathers = [g.start_gather(f"{what} of parameter group {g.index}", self.group)
-                       if g.wire != "full" else  # (the masters apart: compressed.py)
-                       comm.gather_shards_async(g.flat, f"{what} of parameter group {g.index}",
-                                                self.group) for g in self.groups]
-            for work in gathers:
-                work.wait()
+            gather_all(self.groups, what, self.group)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

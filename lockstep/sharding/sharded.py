@@ -32,7 +32,13 @@ from lockstep.replication.replica import DataParallel
 from lockstep.sharding import compressed
 from lockstep.sharding.gather import Gatherer, guard_orphans
 from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.zero import FlatGroup, ShardedReduction, build_groups, reducer_params
+from lockstep.sharding.zero import (
+    FlatGroup,
+    ShardedReduction,
+    build_groups,
+    gather_all,
+    reducer_params,
+)
 
 STAGES = (1, 2, 3)
 
@@ -94,8 +100,7 @@ class ShardedDataParallel(DataParallel):
         self.gatherer: Gatherer | None = None
         super().__init__(module, **kwargs)
         if stage < 3 and wire != "full":  # the forward computes with decoded copies from
-            for g in self.zero_groups:     # the first step on, not only after the first gather
-                g.start_gather("gather of decoded parameters", self.group).wait()
+            gather_all(self.zero_groups, "gather of decoded parameters", self.group)  # step 0
 
     def _make_reduction(self, algorithm: str, compress: Any,
                         reduction: Reduction | None) -> Reduction:
@@ -148,14 +153,9 @@ class ShardedDataParallel(DataParallel):
             return super().full_state_dict()
         # The full buffers hold decoded copies: gather the masters exactly, read them, and
         # put the decoded copies back (training goes on as if nobody had looked).
-        gather = [g.start_gather("exact gather for a state dict", self.group, exact=True)
-                  for g in self.zero_groups]
-        for work in gather:
-            work.wait()
+        gather_all(self.zero_groups, "exact gather for a state dict", self.group, exact=True)
         whole = super().full_state_dict()
-        for work in [g.start_gather("gather of decoded parameters", self.group)
-                     for g in self.zero_groups]:
-            work.wait()
+        gather_all(self.zero_groups, "gather of decoded parameters", self.group)
         return whole
 
     replicated_optimizer = False  # each rank's optimizer state is its own shard

@@ -126,6 +126,18 @@ class FlatGroup:
         self.gathered = False
 
 
+def gather_all(groups: Sequence[FlatGroup], what: str, process_group: comm.Group,
+               exact: bool = False) -> None:
+    """Make every group's full buffer whole from the shards (decoded where the wire is
+    compressed, unless `exact`): all gathers launched, then waited, so the backend may run
+    them side by side. (At stages 1-2 a shard is its slice of the buffer already: copying
+    it in is a copy onto itself, which torch skips.)"""
+    gathers = [g.start_gather(f"{what} of parameter group {g.index}", process_group, exact)
+               for g in groups]
+    for work in gathers:
+        work.wait()
+
+
 def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
                sharded_params: bool, mirrored: bool = False, wire: str = "full") -> FlatGroup:
     """Move `named` parameters into one flat buffer (they become views of it)."""

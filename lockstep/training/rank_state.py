@@ -44,9 +44,9 @@ def for_files(bundle: dict[str, Any], own_optimizer: bool,
     rank = dist.get_rank()
     same = own_state_kept(saved_ranks)
     extra = bundle.get("extra", {})
-    own_params = any(k.startswith(f"{PER_RANK}streaming.local.") for k in extra)
-    feedback = any(k.startswith(PER_RANK) and not k.startswith(f"{PER_RANK}streaming.local.")
-                   for k in extra)
+    params = f"{PER_RANK}streaming.local."  # streaming DiLoCo's own parameters
+    own_params = any(k.startswith(params) for k in extra)
+    feedback = any(k.startswith(PER_RANK) and not k.startswith(params) for k in extra)
     if not same and rank == 0 and (feedback or own_optimizer or own_params):  # else none
         lost = [what for what, held in (("takes rank 0's optimizer state (local rounds)",
                                          own_optimizer),
