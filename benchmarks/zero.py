@@ -5,22 +5,30 @@ Two ranks (Gloo, CPU) train the same 8-layer 1024-wide MLP (8.4M parameters) wit
     lockstep zero=1, 2, 3           lockstep.shard(model, k).make_optimizer(AdamW); 0: DataParallel
     torch ZeRO-1                    DDP + ZeroRedundancyOptimizer(AdamW)
     torch FSDP2                     fully_shard on every layer and the root
+    DeepSpeed ZeRO-1, 2, 3          deepspeed.initialize(zero_optimization.stage=k), fp32,
+                                    with --deepspeed (pip install deepspeed==0.19.8)
 
 For each: the median step time over rounds that run every mode in turn (order reversed
 every other round), the model state each rank holds after a step (parameters, gradients,
 optimizer state: every live tensor storage counted once), and the peak memory a step adds
 on top of that (the process's high-water mark, reset before the step). Prints ratios.
 
-    python benchmarks/zero.py [--rounds 6] [--steps 5]
+    python benchmarks/zero.py [--rounds 6] [--steps 5] [--deepspeed]
+
+DeepSpeed builds nothing on a CPU-only machine: `DS_BUILD_OPS=0 pip install
+deepspeed==0.19.8` into the same environment, and its engine runs on the Gloo group
+lockstep.init() made, with torch's AdamW as a client optimizer.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import statistics
 import sys
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,6 +44,7 @@ from lockstep.launch.run import LaunchSpec, run
 from lockstep.tools.bench import time_modes
 
 WIDTH, LAYERS, BATCH = 1024, 8, 32
+BUCKET_BYTES = 25 << 20
 
 
 def build() -> nn.Module:
@@ -49,12 +58,14 @@ def build() -> nn.Module:
 def live_bytes() -> int:
     gc.collect()
     storages = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            if hasattr(obj, "_local_tensor"):  # a DTensor: count its local shard
-                obj = obj._local_tensor
-            s = obj.untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated module aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        if hasattr(obj, "_local_tensor"):  # a DTensor: count its local shard
+            obj = obj._local_tensor
+        s = obj.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
     return sum(storages.values())
 
 
@@ -72,45 +83,81 @@ def peak_extra_bytes(step: Callable[[], None]) -> int:
     return (rss_kb("VmHWM:") - before) * 1024
 
 
-def modes() -> dict[str, Callable[[], tuple[nn.Module, object]]]:
-    def lockstep_zero(stage: int) -> Callable[[], tuple[nn.Module, object]]:
-        def make() -> tuple[nn.Module, object]:
+Step = Callable[[], None]
+
+
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> Step:
+    def step() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return step
+
+
+def modes(x: torch.Tensor, deepspeed: bool) -> dict[str, Callable[[], Step]]:
+    """Each mode's maker: builds the model and its optimizer, returns one training step."""
+    def lockstep_zero(stage: int) -> Callable[[], Step]:
+        def make() -> Step:
             model = lockstep.shard(build(), stage) if stage else lockstep.DataParallel(build())
-            return model, model.make_optimizer(torch.optim.AdamW, lr=1e-4)
+            return plain_step(model, model.make_optimizer(torch.optim.AdamW, lr=1e-4), x)
         return make
 
-    def torch_zero1() -> tuple[nn.Module, object]:
+    def torch_zero1() -> Step:
         model = DDP(build())
-        return model, ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+        return plain_step(model, opt, x)  # type: ignore[arg-type]
 
-    def fsdp2() -> tuple[nn.Module, object]:
+    def fsdp2() -> Step:
         model = build()
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4), x)
 
-    return {"lockstep zero=0": lockstep_zero(0), "lockstep zero=1": lockstep_zero(1),
+    made = {"lockstep zero=0": lockstep_zero(0), "lockstep zero=1": lockstep_zero(1),
             "lockstep zero=2": lockstep_zero(2), "lockstep zero=3": lockstep_zero(3),
             "torch ZeRO-1": torch_zero1, "torch FSDP2": fsdp2}
+    if deepspeed:
+        made |= {f"DeepSpeed ZeRO-{k}": deepspeed_zero(k, x) for k in (1, 2, 3)}
+    return made
 
 
-def worker(rounds: int, steps: int) -> None:
+def deepspeed_zero(stage: int, x: torch.Tensor) -> Callable[[], Step]:
+    """DeepSpeed's engine in fp32 with the same AdamW: its step is forward, engine.backward
+    (which reduces) and engine.step (which steps, gathers and zeroes the gradients)."""
+    def make() -> Step:
+        import deepspeed
+
+        model = build()
+        # Buckets of 25 MB, as lockstep's and DDP's (DeepSpeed's default, 5e8 elements,
+        # makes stage 3 allocate a 2 GB reduction buffer up front).
+        bucket = BUCKET_BYTES // 4
+        zero = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                "stage3_prefetch_bucket_size": bucket}
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                  "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 1 << 30}
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+            config=config)
+
+        def step() -> None:
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        return step
+    return make
+
+
+def worker(rounds: int, steps: int, deepspeed: bool) -> None:
     world = lockstep.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     x = torch.randn(BATCH, WIDTH, generator=torch.Generator().manual_seed(world.rank))
     made, state_bytes, peaks = {}, {}, {}
-    for name, make in modes().items():
+    for name, make in modes(x, deepspeed).items():
         before = live_bytes()
-        model, opt = make()
-
-        def step(model: nn.Module = model, opt: object = opt) -> None:
-            opt.zero_grad()  # type: ignore[attr-defined]
-            model(x).square().mean().backward()
-            opt.step()  # type: ignore[attr-defined]
-
+        step = make()
         for _ in range(2):
             step()
         state_bytes[name] = live_bytes() - before
@@ -137,6 +184,11 @@ def report(times: dict[str, list[float]], state: dict[str, int], peaks: dict[str
           f"{state['lockstep zero=3'] / state['torch FSDP2']:.2f}x (target <= 1.00x)")
     print(f"stage 1 vs ZeroRedundancyOptimizer: "
           f"{med['torch ZeRO-1'] / med['lockstep zero=1']:.2f}x as fast (target >= 1.00x)")
+    for k in (1, 2, 3) if "DeepSpeed ZeRO-1" in times else ():
+        ours, theirs = f"lockstep zero={k}", f"DeepSpeed ZeRO-{k}"
+        print(f"stage {k} vs DeepSpeed: step time {med[ours] / med[theirs]:.2f}x "
+              f"(target <= 0.60x); bytes per parameter {state[ours] / params:.2f} against "
+              f"{state[theirs] / params:.2f} ({state[ours] / state[theirs]:.2f}x)")
 
 
 def main() -> int:
@@ -144,9 +196,14 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--deepspeed", action="store_true",
+                   help="add DeepSpeed's ZeRO-1/2/3 (needs deepspeed installed)")
     args = p.parse_args()
+    if args.deepspeed and importlib.util.find_spec("deepspeed") is None:
+        p.error("--deepspeed: DeepSpeed is not installed here "
+                "(DS_BUILD_OPS=0 pip install deepspeed==0.19.8)")
     if "WORLD_SIZE" in os.environ:
-        worker(args.rounds, args.steps)
+        worker(args.rounds, args.steps, args.deepspeed)
         return 0
     return run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=sys.argv[1:]))
 

@@ -29,6 +29,7 @@ from lockstep.comm.collectives import (
     rank_of,
     recv,
     reduce_scatter,
+    reduce_scatter_async,
     send,
     size_of,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "rank_of",
     "recv",
     "reduce_scatter",
+    "reduce_scatter_async",
     "send",
     "size_of",
 ]

@@ -287,19 +287,38 @@ def all_to_all(output: torch.Tensor, tensor: torch.Tensor, what: str,
     return output
 
 
-def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
-                   group: Group = None) -> torch.Tensor:
-    """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`. On
-    Gloo as an all-to-all and a sum here, in rank order: Gloo's reduce-scatter sends as
-    much as an all-reduce of the whole tensor (measured: ZeRO-2 put 10.9 MB a step on the
-    wire for a 7.2 MB model, where a reduce-scatter and a gather need 7.2), an all-to-all
-    each rank only the slices the others keep."""
+def reduce_scatter_async(output: torch.Tensor, tensor: torch.Tensor, what: str,
+                         group: Group = None) -> Pending | PendingSum:
+    """Start summing `tensor` across ranks into this rank's 1/N slice, `output`; it holds
+    the sum once `.wait()` returns. On Gloo as an all-to-all and a sum in rank order when
+    waited for: Gloo's reduce-scatter sends as much as an all-reduce of the whole tensor
+    (measured: ZeRO-2 put 10.9 MB a step on the wire for a 7.2 MB model, where a
+    reduce-scatter and a gather need 7.2), an all-to-all each rank only the slices the
+    others keep."""
     if dist.get_backend(group) == "gloo":
         received = torch.empty_like(tensor)
-        all_to_all(received, tensor, what, group)
-        torch.sum(received.view(size_of(group), -1), dim=0, out=output.view(-1))
-        return output
+        work = _run(what, dist.all_to_all_single, received, tensor, group=group, async_op=True)
+        return PendingSum(Pending(work, what), received, output, size_of(group))
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # newer name
-    work = _run(what, scatter, output, tensor, group=group, async_op=True)
-    Pending(work, what).wait()
+    return Pending(_run(what, scatter, output, tensor, group=group, async_op=True), what)
+
+
+class PendingSum:
+    """An all-to-all in flight whose N received chunks are summed into `output` on wait."""
+
+    def __init__(self, pending: Pending, received: torch.Tensor, output: torch.Tensor,
+                 size: int) -> None:
+        self.pending, self.received, self.output, self.size = pending, received, output, size
+
+    def wait(self) -> None:
+        self.pending.wait()
+        torch.sum(self.received.view(self.size, -1), dim=0, out=self.output.view(-1))
+        del self.received  # its memory goes back now, not when the handle goes
+
+
+def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,
+                   group: Group = None) -> torch.Tensor:
+    """Sum `tensor` across ranks and keep this rank's 1/N slice of the sum in `output`
+    (reduce_scatter_async, waited for)."""
+    reduce_scatter_async(output, tensor, what, group).wait()
     return output

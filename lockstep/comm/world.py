@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lockstep.comm import watchdog
+from lockstep.comm import allocator, watchdog
 from lockstep.comm.diagnostics import reporter
 from lockstep.logs import get_logger, setup_logging
 
@@ -149,6 +149,8 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
     else:
         _world = _init_from_env(_pick_backend(backend), timeout)
     setup_logging(_world.rank)
+    if _world.device.type == "cpu":  # gradients and buckets come and go every step
+        log.debug("CPU memory: %s", allocator.keep_freed_memory())
     watchdog.start(stall_s, timeout.total_seconds(), _world.backend)
     register_exit_once()
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,

@@ -225,6 +225,7 @@ class ShardedReduction(Reduction):
                                                                _first(groups, g) + len(g.params))),
                                  tuple(g.offsets), g.numel) for g in groups]
         self.on_reduced: Callable[[int], None] | None = None  # stage 3: free the unit
+        self._in_flight: _Scattering | None = None
         self.on_step_end: Callable[[], None] | None = None    # stage 3: free them all
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
@@ -248,18 +249,29 @@ class ShardedReduction(Reduction):
             bucket.flat.untyped_storage().resize_(0)
 
     def start(self, bucket: Bucket) -> Handle:
-        index = bucket.index  # the plan is these groups, in order
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
-        target = self.groups[index]
+        if self._in_flight is not None:  # one reduce-scatter in flight at a time: its full
+            self._in_flight.wait()       # bucket goes back before the next is let go
+        target = self.groups[bucket.index]
         what = f"reduce-scatter of {bucket.label}"
-        if self.wire == "full":
-            incoming = torch.empty_like(target.shard_grad)
-            comm.reduce_scatter(incoming, bucket.flat, what, self.group)
-        else:
-            incoming = compressed.reduce_scatter(
+        if self.wire != "full":
+            self._reduced(bucket, compressed.reduce_scatter(
                 bucket.flat, self.wire, what, self.group,
-                None if self.feedback is None else self.feedback[index])
+                None if self.feedback is None else self.feedback[bucket.index]))
+            return Done()
+        # Launched and left to run while backward computes the next bucket's layers (on
+        # Gloo an all-to-all, summed when waited for): the next launch, or backward's end,
+        # waits for it.
+        incoming = torch.empty_like(target.shard_grad)
+        pending = comm.reduce_scatter_async(incoming, bucket.flat, what, self.group)
+        self._in_flight = _Scattering(self, bucket, pending, incoming)
+        return self._in_flight
+
+    def _reduced(self, bucket: Bucket, incoming: torch.Tensor) -> None:
+        """A bucket's shard of the sum arrived: add it to the shard's gradient, free the
+        full bucket (and, at stage 3, the unit's gathered parameters)."""
+        target = self.groups[bucket.index]
         target.shard_grad.add_(incoming)  # accumulates across backwards until zero_grad
         if target.mirror_grad is not None:  # rotated by one shard: this rank gets the next's
             rotated = torch.roll(bucket.flat, -incoming.numel())
@@ -270,8 +282,7 @@ class ShardedReduction(Reduction):
             param.grad = None
         self.release(bucket)
         if self.on_reduced is not None:
-            self.on_reduced(index)
-        return Done()
+            self.on_reduced(bucket.index)
 
     def finish(self, buckets: Sequence[Bucket]) -> None:
         """What the optimizer steps is each shard's averaged gradient: at stage 1 a view of
@@ -308,6 +319,25 @@ class ShardedReduction(Reduction):
             group.shard_param.grad = None
             if group.mirror_param is not None:
                 group.mirror_param.grad = None
+
+
+class _Scattering:
+    """A bucket's reduce-scatter in flight; waiting (again is a no-op) lands its shard."""
+
+    def __init__(self, reduction: ShardedReduction, bucket: Bucket,
+                 pending: Handle, incoming: torch.Tensor) -> None:
+        self.reduction, self.bucket, self.pending, self.incoming = \
+            reduction, bucket, pending, incoming
+        self.landed = False
+
+    def wait(self) -> None:
+        if self.landed:
+            return
+        self.landed = True
+        if self.reduction._in_flight is self:
+            self.reduction._in_flight = None
+        self.pending.wait()
+        self.reduction._reduced(self.bucket, self.incoming)
 
 
 def _first(groups: list[FlatGroup], group: FlatGroup) -> int:
