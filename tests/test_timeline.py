@@ -19,10 +19,16 @@ import lockstep
 from lockstep.comm import timeline
 from lockstep.launch import cli
 from lockstep.testing import World
+from lockstep.tools.cluster import Cluster, cluster_available
 from lockstep.training.attribution import RankWindow, Stragglers, attribute
+from lockstep.training.links import verdict
 from lockstep.training.plots import read_metrics
+from tests import slow_link_job
 from tests.models import make_model
 from tests.test_trainer import config, digit_sets, sgd, train
+
+needs_namespaces = pytest.mark.skipif(cluster_available() is not None,
+                                      reason=f"no emulated cluster: {cluster_available()}")
 
 
 def test_the_last_steps_are_kept_whole_and_every_kth_before_them() -> None:
@@ -271,3 +277,35 @@ def test_a_planted_straggler_is_named_with_its_cause_within_three_windows(
     named = [r for r in records if r["kind"] == "straggler"]
     assert named and named[0]["step"] == 15 and named[0]["rank"] == 1, records
     assert named[0]["cause"] == cause
+
+
+def test_the_host_whose_link_is_slow_is_found_from_three_hosts_pair_rates() -> None:
+    """A pair of hosts is as fast as the slower of their two links, so a host is as fast as
+    its fastest pair; the one well under the others' median is named (pure)."""
+    found = verdict([94e6, 95e6, 9.6e6], first_ranks=[0, 2, 4])
+    assert found is not None and (found.host, found.first_rank) == (2, 4)
+    assert found.behind == pytest.approx(94.5 / 9.6 - 1)
+    assert found.cause() == "its link (10 Mbit/s; the other hosts' 94)"
+    assert verdict([94e6, 95e6, 60e6], first_ranks=[0, 1, 2]) is None  # not half as fast
+
+
+@needs_namespaces
+def test_a_rank_behind_a_slow_link_is_named_with_its_link_as_the_cause(tmp_path: Path) -> None:
+    """3 emulated hosts at 100 Mbit/s, host 2's link cut to 10: every rank waits in every
+    step for the bytes that cross it, no rank's own work is slower -- the probe that a
+    communication-bound window runs names rank 2 and its link within three windows."""
+    run_dir = tmp_path / "run"
+    with Cluster(hosts=3, bandwidth="100mbit") as cluster:
+        cluster.limit(2, "10mbit")
+        results = cluster.run_job(1, str(Path(slow_link_job.__file__)), [str(run_dir)],
+                                  timeout=300)
+    assert all(r.returncode == 0 for r in results), results[0].stderr[-3000:]
+    records = read_metrics(run_dir)
+    windows = [r for r in records if r["kind"] == "timeline"]
+    assert len(windows) == 4, windows
+    assert all(w["timeline_waiting"] >= 0.25 for w in windows), windows
+    assert [w["timeline_slowest"] for w in windows[:3]] == [2, 2, 2], windows
+    assert all(w["timeline_cause"].startswith("its link (") for w in windows[:3]), windows
+    named = [r for r in records if r["kind"] == "straggler"]
+    assert named and named[0]["step"] == 15 and named[0]["rank"] == 2, records
+    assert named[0]["cause"].startswith("its link (")

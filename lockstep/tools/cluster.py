@@ -197,13 +197,19 @@ class Cluster:
         with open(os.path.join(folder, "hosts"), "w") as hosts:
             hosts.write(f"{ours}\n# lockstep cluster {self.tag}\n" + "\n".join(lines) + "\n")
 
-    def _shape(self, prefix: list[str], device: str) -> None:
-        assert self.rate_bps is not None
+    def _shape(self, prefix: list[str], device: str, bandwidth: str | None = None) -> None:
+        bandwidth = bandwidth or self.bandwidth
+        assert bandwidth is not None
         # The bucket must hold at least one timer tick of traffic at this rate.
-        burst = max(64 * 1024, int(self.rate_bps / 8 / 100))
-        subprocess.run([*prefix, "tc", "qdisc", "add", "dev", device, "root", "tbf", "rate",
-                        str(self.bandwidth), "burst", str(burst), "latency", "50ms"],
+        burst = max(64 * 1024, int(parse_bandwidth(bandwidth) / 8 / 100))
+        subprocess.run([*prefix, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
+                        "rate", bandwidth, "burst", str(burst), "latency", "50ms"],
                        check=True, capture_output=True, text=True)
+
+    def limit(self, host: int, bandwidth: str) -> None:
+        """Shape one host's link to `bandwidth` both ways (a slower link than the others')."""
+        self._shape(["ip", "netns", "exec", self.netns(host)], self.interface(host), bandwidth)
+        self._shape([], self._outside(host), bandwidth)
 
     def teardown(self) -> None:
         """Kill every process left in the hosts and delete every link and namespace made.

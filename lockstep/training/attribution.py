@@ -11,6 +11,10 @@ small all-gather per window), and every rank reads the same answer (`attribute`)
   that exceeds the others' most;
 - bytes on the wire per step and the bus bandwidth they achieved.
 
+When waiting for communication takes a quarter of the step or more and the job spans
+three hosts or more, a probe of the hosts' links (links.py) may find the cause there: the
+first rank of the host whose link is slow is then the one the others waited for.
+
 A rank more than `behind` (10%) behind in `windows` (3) windows in a row is named as a
 straggler with its cause (`Stragglers`).
 """
@@ -18,11 +22,13 @@ straggler with its cause (`Stragglers`).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from lockstep.comm.timeline import Timeline
+from lockstep.training.links import SlowLink
 
+COMM_BOUND = 0.25  # waiting for communication this share of a step or more: probe the links
 OWN_WORK = ("data", "forward", "compute in backward", "optimizer", "between steps")
 """A rank's own work, each phase's excess over the others' naming why it was slow."""
 CAUSES = {"data": "its data loading", "forward": "its compute (forward)",
@@ -111,6 +117,15 @@ class Attribution:
     cause: str
     bytes_per_step: float
     bus_gbit: float
+    waiting: float  # share of the step backward's end waited for communication
+
+    @property
+    def comm_bound(self) -> bool:
+        return self.waiting >= COMM_BOUND
+
+    def blaming(self, link: SlowLink) -> Attribution:
+        """The same window, with the others waiting on `link`'s host."""
+        return replace(self, slowest=link.first_rank, behind=link.behind, cause=link.cause())
 
     def line(self, step: int) -> str:
         cause = f" ({self.cause})" if self.behind > 0.05 else ""
@@ -139,7 +154,9 @@ def attribute(ranks: list[RankWindow], bytes_per_step: float) -> Attribution:
     cause = CAUSES[max(excess, key=excess.__getitem__)]
     ring = 2 * (world - 1) / world if world > 1 else 0.0  # what a ring moves per byte
     bus = bytes_per_step * 8 * ring / comm / 1e9 if comm > 0 else 0.0
-    return Attribution(step * 1000, hidden, slowest, behind, cause, bytes_per_step, bus)
+    waiting = exposed / step if step > 0 else 0.0
+    return Attribution(step * 1000, hidden, slowest, behind, cause, bytes_per_step, bus,
+                       waiting)
 
 
 class Stragglers:

@@ -17,6 +17,7 @@ from lockstep import comm
 from lockstep.comm import timeline
 from lockstep.logs import get_logger
 from lockstep.training.attribution import RankWindow, Stragglers, attribute, summarize
+from lockstep.training.links import LinkProbe
 
 if TYPE_CHECKING:
     from lockstep.training.protocols import Survival
@@ -33,6 +34,7 @@ class Tracing:
         path = path or os.environ.get(timeline.ENV)
         self.recording = timeline.Timeline(path) if path else None
         self.stragglers = Stragglers()
+        self.links = LinkProbe()
         timeline.activate(self.recording)
 
     def window(self, survival: Survival, runlog: RunLog, step: int, steps: int,
@@ -46,6 +48,10 @@ class Tracing:
         if everyone is None:  # left out meanwhile: the others reported this window
             return
         found = attribute(everyone, bytes_per_step)
+        if found.comm_bound:  # the same verdict on every rank: all of them probe, or none
+            slow = survival.collective(self.links.slow_link)
+            if slow is not None:
+                found = found.blaming(slow)
         runlog.record("timeline", step, **found.record())
         runlog.message(found.line(step))
         named = self.stragglers.observe(found)

@@ -1,0 +1,101 @@
+"""Whose link is slow: a probe that a logged window's attribution runs when communication
+holds the steps up (attribution.py), on a job of three hosts or more.
+
+A transfer between two hosts crosses both hosts' links, so one pair's time cannot say
+whose link is slow; three hosts can. The first rank of each pair of hosts swaps
+PROBE_BYTES with the other's, both ways at once, one pair at a time; a host's link is
+taken to be as fast as the fastest pair it was in (its partner there being fast). A host
+whose link carried less than SLOW of the other hosts' median is slow, and its first rank
+is named -- the others waited for the bytes that had to cross its link.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lockstep import comm
+from lockstep.comm.topology import this_host
+
+PROBE_BYTES = 512 << 10  # 42 ms at 100 Mbit/s: long against the link's latency and bursts
+SLOW = 0.5
+
+
+@dataclass
+class SlowLink:
+    host: int
+    first_rank: int  # the host's lowest rank: the one a report names
+    bits_per_s: float
+    others_bits_per_s: float  # the median of the other hosts'
+
+    @property
+    def behind(self) -> float:
+        """How much longer the same bytes take on this link than on the others'."""
+        return self.others_bits_per_s / self.bits_per_s - 1
+
+    def cause(self) -> str:
+        return (f"its link ({self.bits_per_s / 1e6:.0f} Mbit/s; the other hosts' "
+                f"{self.others_bits_per_s / 1e6:.0f})")
+
+
+class LinkProbe:
+    """This rank's part in probing the hosts' links (every method is collective)."""
+
+    def __init__(self) -> None:
+        self._hosts: tuple[int, list[int]] | None = None  # (world size, each rank's host)
+
+    def hosts_of_ranks(self) -> list[int]:
+        """Each rank's host, numbered in order of first appearance (asked again when the
+        world's size changes: an elastic regroup)."""
+        size = comm.size_of()
+        if self._hosts is None or self._hosts[0] != size:
+            names = comm.all_gather_object(this_host(), "link probe: every rank's host")
+            numbers: dict[str, int] = {}
+            self._hosts = (size, [numbers.setdefault(n, len(numbers)) for n in names])
+        return self._hosts[1]
+
+    def slow_link(self) -> SlowLink | None:
+        """The host whose link is slow, if one is (None with fewer than three hosts)."""
+        hosts = self.hosts_of_ranks()
+        count = max(hosts) + 1
+        if count < 3:
+            return None
+        first = [hosts.index(h) for h in range(count)]
+        return verdict(link_rates(first), first)
+
+
+def verdict(rates: list[float], first_ranks: list[int]) -> SlowLink | None:
+    """The slowest host's link, if it carried less than SLOW of the others' median."""
+    slowest = min(range(len(rates)), key=rates.__getitem__)
+    others = statistics.median(r for h, r in enumerate(rates) if h != slowest)
+    if rates[slowest] >= SLOW * others:
+        return None
+    return SlowLink(slowest, first_ranks[slowest], rates[slowest], others)
+
+
+def link_rates(first_ranks: list[int]) -> list[float]:
+    """Bits per second each host's link carried in the probe; `first_ranks[h]` speaks for
+    host h. One pair at a time, a barrier between pairs, so no two pairs share a link."""
+    count, rank = len(first_ranks), comm.rank_of()
+    seconds = torch.zeros(count, count, dtype=torch.float64)
+    payload = torch.zeros(PROBE_BYTES // 4)
+    incoming = torch.empty_like(payload)
+    for a in range(count):
+        for b in range(a + 1, count):
+            if rank in (first_ranks[a], first_ranks[b]):
+                peer = first_ranks[b] if rank == first_ranks[a] else first_ranks[a]
+                started = time.perf_counter()
+                sent = comm.isend(payload, peer, f"link probe: hosts {a} and {b}")
+                comm.irecv(incoming, peer, f"link probe: hosts {a} and {b}").wait()
+                sent.wait()
+                if rank == first_ranks[a]:
+                    seconds[a, b] = time.perf_counter() - started
+            comm.barrier(f"link probe: hosts {a} and {b} done")
+    comm.all_reduce(seconds, "link probe: every pair's time")
+    seconds = seconds + seconds.T
+    bits = PROBE_BYTES * 8
+    return [max(bits / seconds[h, o].item() for o in range(count) if o != h)
+            for h in range(count)]
