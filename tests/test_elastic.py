@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from lockstep.comm import CollectiveError
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
 from lockstep.elastic.store import PREFIX
-from lockstep.launch.elastic import _supervise, worker_name
+from lockstep.launch.elastic import _supervise, free_port, worker_name
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "elastic_job.py")
@@ -106,7 +105,7 @@ def test_every_member_stops_for_joiners_at_the_step_set_even_if_its_heartbeat_la
     from lockstep.elastic import ElasticConfig
     from lockstep.elastic.quorum import Coordinator
 
-    port = _free_port()
+    port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
                                        wait_for_workers=False)
     member = Coordinator(f"127.0.0.1:{port}", "a", ElasticConfig(), initial=2)
@@ -130,12 +129,6 @@ def test_which_errors_mean_a_peer_is_gone() -> None:
 
 
 # ---- real jobs -------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _launch(out: Path, port: int | str, nproc: int, args: list[str], log: str, job: str = JOB
@@ -174,7 +167,7 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
     """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
     on without it (and `before_rejoin` ran), a second launcher adds one worker. Returns what
     happened."""
-    port = endpoint or _free_port()
+    port = endpoint or free_port()
     first = _launch(out, port, nproc, args, "launcher1.err", job)
     second = None
     try:
@@ -330,7 +323,7 @@ def test_zero_2_under_elastic_goes_on_through_a_kill_and_a_join(tmp_path: Path) 
 
 def test_a_plain_optimizer_under_elastic_zero_is_refused_with_what_to_pass(
         tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
                                        wait_for_workers=False)
     env = {**os.environ, "LOCKSTEP_ELASTIC": f"127.0.0.1:{port}", "OMP_NUM_THREADS": "1"}
@@ -346,7 +339,7 @@ def test_a_plain_optimizer_under_elastic_zero_is_refused_with_what_to_pass(
 def _finals(out: Path, args: list[str]) -> tuple[list[dict[str, Any]], str]:
     """Run the job on 2 workers to its end; each worker's final record, and the log."""
     out.mkdir()
-    job = _launch(out, _free_port(), 2, args, "launcher.log")
+    job = _launch(out, free_port(), 2, args, "launcher.log")
     assert job.wait(timeout=240) == 0, (out / "launcher.log").read_text()[-3000:]
     return [r for r in _records(out) if r.get("final")], (out / "launcher.log").read_text()
 
@@ -369,7 +362,7 @@ def test_losing_the_store_host_leaves_training_going_and_says_so(tmp_path: Path)
     (it asks whether joiners wait), torch's C++ stack traces flooded the log (610 in 27 s,
     from the heartbeat, progress and watchdog threads), and job.finish() raised."""
     steps = 90
-    launcher = _launch(tmp_path, _free_port(), 2, ["--steps", str(steps), "--pace", "0.03"],
+    launcher = _launch(tmp_path, free_port(), 2, ["--steps", str(steps), "--pace", "0.03"],
                        "launcher.log")
     try:
         _wait_for(tmp_path, lambda r: r["attempt"] >= 15, 90, "step 15")

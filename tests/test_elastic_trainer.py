@@ -21,13 +21,13 @@ import pytest
 import torch
 from torch import nn
 
+from lockstep.launch.elastic import free_port
 from lockstep.seeding import seed_everything
 from lockstep.training.sampler import global_order
 from tests import elastic_job
 from tests.test_elastic import (
     ROOT,
     _check_history,
-    _free_port,
     _kill_and_rejoin,
     _launch,
     _records,
@@ -108,7 +108,7 @@ def test_a_job_whose_every_worker_died_resumes_from_its_checkpoint(tmp_path: Pat
     resumes there and ends with one process's weights -- under ZeRO-3 too, whose shards
     and their mirrors the checkpoint gives back."""
     steps, args = 60, ["--steps", "60", "--pace", "0.03", "--mode", mode]
-    port = _free_port()
+    port = free_port()
     first = _launch(tmp_path, port, 2, args, "launcher1.err", JOB)
     try:
         _wait_for(tmp_path, lambda r: r["attempt"] >= 24, 90, "step 24")
@@ -142,7 +142,7 @@ def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
     go = tmp_path / "joiners-done"
     steps, args = 40, ["--steps", "40", "--pace", "0.02", "--hold-at", "5", "--hold-for",
                        str(go)]
-    port = _free_port()
+    port = free_port()
     job = _launch(tmp_path, port, 2, args, "launcher.log", JOB)
     joiners = []
     try:
@@ -180,7 +180,7 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
     Gloo; and the second time it was never let in (still marked as admitted from the
     first). The weights are one process's."""
     steps, args = 600, ["--steps", "600", "--pace", "0.05", "--collective-timeout", "4"]
-    job = _launch(tmp_path, _free_port(), 3, args, "launcher.log", JOB)
+    job = _launch(tmp_path, free_port(), 3, args, "launcher.log", JOB)
     try:
         victim = _wait_for(tmp_path, lambda r: r["attempt"] >= 10 and r["rank"] == 1, 90,
                            "step 10")[0]
