@@ -23,6 +23,8 @@ lockstep.init() made, with torch's AdamW as a client optimizer.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import importlib.util
 import os
@@ -75,7 +77,11 @@ def rss_kb(field: str) -> int:
 
 
 def peak_extra_bytes(step: Callable[[], None]) -> int:
-    """How far above the current footprint one step goes (VmHWM reset just before)."""
+    """How far above the current footprint one step goes (VmHWM reset just before). The
+    memory earlier modes freed goes back to the kernel first: lockstep.init() has glibc
+    keep freed blocks (comm/allocator.py), which would hide a step's new pages."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak resident size
     before = rss_kb("VmRSS:")

@@ -287,6 +287,8 @@ def test_the_host_whose_link_is_slow_is_found_from_three_hosts_pair_rates() -> N
     assert found.behind == pytest.approx(94.5 / 9.6 - 1)
     assert found.cause() == "its link (10 Mbit/s; the other hosts' 94)"
     assert verdict([94e6, 95e6, 60e6], first_ranks=[0, 1, 2]) is None  # not half as fast
+    for broken in ([94e6, 0.0, 9e6], [94e6, float("nan"), 9e6], [94e6, 9e6]):
+        assert verdict(broken, first_ranks=[0, 1, 2]) is None  # no verdict, no error
 
 
 @needs_namespaces

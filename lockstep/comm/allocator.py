@@ -12,9 +12,11 @@ DataParallel and ZeRO-2, none with the thresholds below.
 
 `keep_freed_memory()` asks glibc to serve blocks up to 32 MB from its heap and to give
 the heap's top back to the kernel only past 1 GB free: the process's resident size then
-stays near its peak, as a GPU caching allocator's reservation does. It leaves alone a
-process whose allocation a person chose: malloc settings in GLIBC_TUNABLES, jemalloc or
-tcmalloc preloaded, or LOCKSTEP_MALLOC=system.
+stays near its peak (up to a GB of freed memory per malloc arena is kept), as a GPU
+caching allocator's reservation does; processes it forks afterwards (DataLoader workers)
+inherit the setting. It leaves alone a process whose allocation a person chose: malloc
+settings in GLIBC_TUNABLES or MALLOC_*_ variables, an allocator preloaded (jemalloc,
+tcmalloc, mimalloc), or LOCKSTEP_MALLOC=system.
 """
 
 from __future__ import annotations
@@ -32,15 +34,15 @@ def keep_freed_memory() -> str:
     was done, for the log."""
     if os.environ.get("LOCKSTEP_MALLOC", "").lower() == "system":
         return "left as the system's (LOCKSTEP_MALLOC=system)"
-    if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return "left as GLIBC_TUNABLES sets it"
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if "jemalloc" in preloaded or "tcmalloc" in preloaded:
+    if "malloc" in os.environ.get("GLIBC_TUNABLES", "") or \
+            any(k.startswith("MALLOC_") and k.endswith("_") for k in os.environ):
+        return "left as GLIBC_TUNABLES or MALLOC_*_ sets it"
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):  # jemalloc, tcmalloc, mimalloc...
         return "left to the preloaded allocator"
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 -- only glibc has it (musl, macOS do not)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: Windows has no CDLL(None))
         return "left as it is (not glibc)"
     if not (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
             and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):

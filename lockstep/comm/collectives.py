@@ -308,12 +308,17 @@ class PendingSum:
 
     def __init__(self, pending: Pending, received: torch.Tensor, output: torch.Tensor,
                  size: int) -> None:
-        self.pending, self.received, self.output, self.size = pending, received, output, size
+        self.pending: Pending | None = pending
+        self.received: torch.Tensor | None = received
+        self.output, self.size = output, size
 
     def wait(self) -> None:
+        if self.pending is None or self.received is None:  # landed already
+            return
         self.pending.wait()
         torch.sum(self.received.view(self.size, -1), dim=0, out=self.output.view(-1))
-        del self.received  # its memory goes back now, not when the handle goes
+        # The backend's handle holds its tensors: both go now, not when this one goes.
+        self.pending = self.received = None
 
 
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, what: str,

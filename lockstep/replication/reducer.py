@@ -291,13 +291,14 @@ class Reducer:
     def _wait_all(self) -> None:
         recording, started = timeline.active(), time.time_ns()
         for index, bucket in enumerate(self.buckets):
-            assert bucket.pending is not None, f"{bucket.label} was never launched"
-            bucket.pending.wait()
-            bucket.pending = None
-            if recording is not None:  # launched -> its wait returned: done, as seen here
-                launched, done = self._comm_ns[index]
-                recording.add(bucket.label, launched, done or time.time_ns(), "comm",
-                              via=self.reduction.name, bytes=bucket.nbytes)
+            handle, bucket.pending = bucket.pending, None
+            assert handle is not None, f"{bucket.label} was never launched"
+            handle.wait()
+            if recording is not None:  # launched -> done: when it landed, if it says (it
+                launched, done = self._comm_ns[index]  # may have, during backward), else now
+                done = done or getattr(handle, "landed_ns", 0) or time.time_ns()
+                recording.add(bucket.label, launched, done, "comm", via=self.reduction.name,
+                              bytes=bucket.nbytes)
         if recording is not None:  # what backward's end waited for communication
             recording.add("wait for communication", started, time.time_ns())
         self.reduction.finish(self.buckets)
@@ -340,6 +341,7 @@ class Reducer:
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params)
             bucket.pending = None
+        self.reduction.reset()
 
     # ---- join: stand in for a backward this rank has no data for ------------------------
 

@@ -156,5 +156,8 @@ class Reduction:
     def free(self, flat: torch.Tensor) -> None:
         """A buffer from `allocate` is no longer used (the plan was rebuilt)."""
 
+    def reset(self) -> None:
+        """A backward ended without waiting for its buckets (it raised): forget them."""
+
     def close(self) -> None:
         """Release threads, process groups and memory."""

@@ -252,7 +252,8 @@ class ShardedReduction(Reduction):
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
         if self._in_flight is not None:  # one reduce-scatter in flight at a time: its full
-            self._in_flight.wait()       # bucket goes back before the next is let go
+            with timeline.span("wait for communication"):  # bucket goes back before the
+                self._in_flight.wait()                       # next is let go
         target = self.groups[bucket.index]
         what = f"reduce-scatter of {bucket.label}"
         if self.wire != "full":
@@ -267,6 +268,9 @@ class ShardedReduction(Reduction):
         pending = comm.reduce_scatter_async(incoming, bucket.flat, what, self.group)
         self._in_flight = _Scattering(self, bucket, pending, incoming)
         return self._in_flight
+
+    def reset(self) -> None:
+        self._in_flight = None  # a backward that raised: its buckets are not landed
 
     def _reduced(self, bucket: Bucket, incoming: torch.Tensor) -> None:
         """A bucket's shard of the sum arrived: add it to the shard's gradient, free the
@@ -324,20 +328,28 @@ class ShardedReduction(Reduction):
 class _Scattering:
     """A bucket's reduce-scatter in flight; waiting (again is a no-op) lands its shard."""
 
-    def __init__(self, reduction: ShardedReduction, bucket: Bucket,
-                 pending: Handle, incoming: torch.Tensor) -> None:
-        self.reduction, self.bucket, self.pending, self.incoming = \
-            reduction, bucket, pending, incoming
-        self.landed = False
+    def __init__(self, reduction: ShardedReduction, bucket: Bucket, pending: Handle,
+                 incoming: torch.Tensor) -> None:
+        self.reduction: ShardedReduction | None = reduction
+        self.bucket: Bucket | None = bucket
+        self.pending: Handle | None = pending
+        self.incoming: torch.Tensor | None = incoming
+        self.landed_ns = 0  # when it landed (the timeline's end of its span)
 
     def wait(self) -> None:
-        if self.landed:
-            return
-        self.landed = True
-        if self.reduction._in_flight is self:
-            self.reduction._in_flight = None
-        self.pending.wait()
-        self.reduction._reduced(self.bucket, self.incoming)
+        reduction, bucket, pending, incoming = \
+            self.reduction, self.bucket, self.pending, self.incoming
+        if reduction is None or bucket is None or pending is None or incoming is None:
+            return  # landed already
+        # Let go of everything first: the backend's handle holds the full bucket and the
+        # received chunks, which must not outlive the landing (a handle is kept until
+        # backward's end).
+        self.reduction = self.bucket = self.pending = self.incoming = None
+        if reduction._in_flight is self:
+            reduction._in_flight = None
+        pending.wait()
+        reduction._reduced(bucket, incoming)
+        self.landed_ns = time.time_ns()
 
 
 def _first(groups: list[FlatGroup], group: FlatGroup) -> int:

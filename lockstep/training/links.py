@@ -11,6 +11,7 @@ is named -- the others waited for the bytes that had to cross its link.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,33 +43,37 @@ class SlowLink:
 
 
 class LinkProbe:
-    """This rank's part in probing the hosts' links (every method is collective)."""
+    """This rank's part in probing the hosts' links (every method is collective). A verdict
+    stands for REUSE windows while the hosts stay the same: the probe's pairs grow with
+    the square of the hosts."""
+
+    REUSE = 5
 
     def __init__(self) -> None:
-        self._hosts: tuple[int, list[int]] | None = None  # (world size, each rank's host)
-
-    def hosts_of_ranks(self) -> list[int]:
-        """Each rank's host, numbered in order of first appearance (asked again when the
-        world's size changes: an elastic regroup)."""
-        size = comm.size_of()
-        if self._hosts is None or self._hosts[0] != size:
-            names = comm.all_gather_object(this_host(), "link probe: every rank's host")
-            numbers: dict[str, int] = {}
-            self._hosts = (size, [numbers.setdefault(n, len(numbers)) for n in names])
-        return self._hosts[1]
+        self._last: tuple[list[int], SlowLink | None, int] | None = None
 
     def slow_link(self) -> SlowLink | None:
         """The host whose link is slow, if one is (None with fewer than three hosts)."""
-        hosts = self.hosts_of_ranks()
-        count = max(hosts) + 1
-        if count < 3:
+        # Asked every time (one small all-gather): after an elastic regroup the same world
+        # size may hold other workers, numbered anew.
+        names = comm.all_gather_object(this_host(), "link probe: every rank's host")
+        numbers: dict[str, int] = {}
+        hosts = [numbers.setdefault(n, len(numbers)) for n in names]
+        if len(numbers) < 3:
             return None
-        first = [hosts.index(h) for h in range(count)]
-        return verdict(link_rates(first), first)
+        if self._last is not None and self._last[0] == hosts and self._last[2] > 0:
+            self._last = (hosts, self._last[1], self._last[2] - 1)
+            return self._last[1]
+        first = [hosts.index(h) for h in range(len(numbers))]
+        found = verdict(link_rates(first), first)
+        self._last = (hosts, found, self.REUSE - 1)
+        return found
 
 
 def verdict(rates: list[float], first_ranks: list[int]) -> SlowLink | None:
     """The slowest host's link, if it carried less than SLOW of the others' median."""
+    if len(rates) < 3 or not all(math.isfinite(r) and r > 0 for r in rates):
+        return None
     slowest = min(range(len(rates)), key=rates.__getitem__)
     others = statistics.median(r for h, r in enumerate(rates) if h != slowest)
     if rates[slowest] >= SLOW * others:
@@ -79,9 +84,9 @@ def verdict(rates: list[float], first_ranks: list[int]) -> SlowLink | None:
 def link_rates(first_ranks: list[int]) -> list[float]:
     """Bits per second each host's link carried in the probe; `first_ranks[h]` speaks for
     host h. One pair at a time, a barrier between pairs, so no two pairs share a link."""
-    count, rank = len(first_ranks), comm.rank_of()
-    seconds = torch.zeros(count, count, dtype=torch.float64)
-    payload = torch.zeros(PROBE_BYTES // 4)
+    count, rank, device = len(first_ranks), comm.rank_of(), comm.device_of()
+    seconds = torch.zeros(count, count, dtype=torch.float64, device=device)
+    payload = torch.zeros(PROBE_BYTES // 4, device=device)
     incoming = torch.empty_like(payload)
     for a in range(count):
         for b in range(a + 1, count):
@@ -91,11 +96,13 @@ def link_rates(first_ranks: list[int]) -> list[float]:
                 sent = comm.isend(payload, peer, f"link probe: hosts {a} and {b}")
                 comm.irecv(incoming, peer, f"link probe: hosts {a} and {b}").wait()
                 sent.wait()
+                if device.type == "cuda":  # NCCL's wait orders the stream, not the host
+                    torch.cuda.synchronize(device)
                 if rank == first_ranks[a]:
                     seconds[a, b] = time.perf_counter() - started
             comm.barrier(f"link probe: hosts {a} and {b} done")
     comm.all_reduce(seconds, "link probe: every pair's time")
-    seconds = seconds + seconds.T
+    pair = (seconds + seconds.T).cpu()
     bits = PROBE_BYTES * 8
-    return [max(bits / seconds[h, o].item() for o in range(count) if o != h)
+    return [max(bits / pair[h, o].item() for o in range(count) if o != h)
             for h in range(count)]
