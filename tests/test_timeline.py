@@ -19,6 +19,7 @@ import lockstep
 from lockstep.comm import timeline
 from lockstep.launch import cli
 from lockstep.testing import World
+from lockstep.tools import traceplot
 from lockstep.tools.cluster import Cluster, cluster_available
 from lockstep.training.attribution import RankWindow, Stragglers, attribute
 from lockstep.training.links import verdict
@@ -110,6 +111,14 @@ def test_a_two_rank_trainer_run_writes_one_trace_of_both_ranks(world2: World,
         assert {"evaluation", "checkpoint"} <= names
     per_step = path.stat().st_size / 31
     assert per_step < 20_000, per_step  # bounded: what one step costs on disk
+    # The picture of its last two steps: a row per rank and track, every span of them
+    picture = tmp_path / "trace.png"
+    rows = traceplot.draw(path, picture, steps=2)
+    assert rows == ["rank 0 compute", "rank 0 comm", "rank 1 compute", "rank 1 comm"]
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _, drawn, chosen = traceplot.bars(trace, 2)
+    assert chosen == [28, 29]  # the last two that neither evaluated (30) nor saved
+    assert len(drawn) == len([e for e in spans if e["args"]["step"] in (28, 29)])
 
 
 def comm_spans_of(run_dir: str, parallel: Any) -> list[tuple[str, int, int, dict[str, Any]]]:
