@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     with _environment(timeline.ENV, str(trace) if trace else None):
         code = launch(_spec(args, args.max_restarts))
     if code == 0 and trace is not None and not trace.exists():
-        print(f"lockstep run: no timeline was written to {trace}: the Trainer records one; "
-              "a script with its own loop does not", file=sys.stderr)
+        print(f"lockstep run: no timeline was written to {trace}: the Trainer records one "
+              "while it trains (not when its run_dir holds a finished run); a script with "
+              "its own loop does not", file=sys.stderr)
     return code
 
 
