@@ -96,6 +96,10 @@ def ddp_worker(out: Path, steps: int) -> None:
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         note(out, f"ddp-{rank}", kind="step", step=step + 1, started=started)
+    # DDP's reducer goes before its group: freed after the group was destroyed, it hung
+    # (in 2 of 4 launches) at the worker's exit.
+    dist.barrier()
+    del model, optimizer
     dist.destroy_process_group()
 
 
