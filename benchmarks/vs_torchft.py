@@ -184,13 +184,14 @@ def steps_done(out: Path) -> int:
                default=0)
 
 
-def me(*args: str) -> list[str]:
-    return [sys.executable, os.path.abspath(__file__), "--worker", *args]
+def worker_command(*args: str) -> list[str]:
+    """This script as one of the workers, for a launcher or the interpreter to start."""
+    return [os.path.abspath(__file__), "--worker", *args]
 
 
 def run_ddp(out: Path, steps: int) -> None:
     launch = [sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(WORKERS)]
-    done = subprocess.run([*launch, *me("DDP", str(out), str(steps))[1:]], timeout=600,
+    done = subprocess.run([*launch, *worker_command("DDP", str(out), str(steps))], timeout=600,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vs_torchft: the DDP run failed:\n{done.stderr[-3000:]}")
@@ -212,29 +213,29 @@ def run_with_a_kill(system: str, out: Path) -> dict[str, float]:
             def start(replica: int) -> subprocess.Popen[bytes]:
                 env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse}",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-                return subprocess.Popen(me("torchft", str(out), str(ENDLESS), str(replica)),
-                                        env=env, **quiet)  # type: ignore[call-overload]
+                return subprocess.Popen(  # type: ignore[call-overload]
+                    [sys.executable, *worker_command("torchft", str(out), str(ENDLESS),
+                                                     str(replica))], env=env, **quiet)
             procs += [start(r) for r in range(WORKERS)]
             restart = lambda: start(VICTIM)  # noqa: E731
         else:
             endpoint = f"127.0.0.1:{free_port()}"
             launch = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic",
                       "--rdzv-endpoint", endpoint, "-n"]
-            procs.append(subprocess.Popen([*launch, str(WORKERS), *me(
-                "lockstep", str(out), str(ENDLESS))[1:]], **quiet))  # type: ignore[call-overload]
-            restart = lambda: subprocess.Popen(  # noqa: E731
-                [*launch, "1", *me("lockstep", str(out), str(ENDLESS))[1:]], **quiet)
+            job = worker_command("lockstep", str(out), str(ENDLESS))
+            procs.append(subprocess.Popen([*launch, str(WORKERS), *job],  # type: ignore[call-overload]
+                                          **quiet))
+            restart = lambda: subprocess.Popen([*launch, "1", *job], **quiet)  # noqa: E731
         wait_for(lambda: steps_done(out) >= KILL_AT, f"{system}: {KILL_AT} steps")
         victim = _victim(system, out)
         os.kill(victim, signal.SIGKILL)
         killed = time.time()
-        wait_for(lambda: _first_step_after(out, killed, exclude=victim),
-                 f"{system}: a step after the kill")
+        trained = wait_for(lambda: _first_step_after(out, killed, exclude=victim),
+                           f"{system}: a step after the kill")
         procs.append(restart())
         joiner = wait_for(lambda: _new_worker_stepping(out, killed),
                           f"{system}: the restarted worker's first step")
-        trained_again = _first_step_after(out, killed, exclude=victim) - killed
-        return {"step": _step_time(out, killed), "again": trained_again, "join": joiner}
+        return {"step": _step_time(out, killed), "again": trained - killed, "join": joiner}
     finally:  # every process of the run, each started in a session of its own
         for p in procs:
             with contextlib.suppress(ProcessLookupError):

@@ -20,16 +20,14 @@ from lockstep.comm import timeline
 from lockstep.launch import cli
 from lockstep.testing import World
 from lockstep.tools import traceplot
-from lockstep.tools.cluster import Cluster, cluster_available
+from lockstep.tools.cluster import Cluster
 from lockstep.training.attribution import RankWindow, Stragglers, attribute
 from lockstep.training.links import verdict
 from lockstep.training.plots import read_metrics
 from tests import slow_link_job
 from tests.models import make_model
+from tests.test_cluster import needs_namespaces
 from tests.test_trainer import config, digit_sets, sgd, train
-
-needs_namespaces = pytest.mark.skipif(cluster_available() is not None,
-                                      reason=f"no emulated cluster: {cluster_available()}")
 
 
 def test_the_last_steps_are_kept_whole_and_every_kth_before_them() -> None:

@@ -315,16 +315,18 @@ def test_the_whole_optimizer_state_survives_a_round_trip(world2: World, stage: i
     assert world2.run(consolidate_round_trip, stage) == [0.0, 0.0]
 
 
-def reduce_scatter_landing() -> tuple[list[float], bool, bool]:
+def reduce_scatter_landing() -> tuple[list[float], bool, list[float]]:
     world = lockstep.init()
     whole = torch.arange(8, dtype=torch.float64) * (world.rank + 1)
     mine = torch.empty(4, dtype=torch.float64)
     handle = lockstep.comm.reduce_scatter_async(mine, whole, "test reduce-scatter")
     handle.wait()
+    landed = mine.tolist()
     released = getattr(handle, "received", None) is None and \
         getattr(handle, "pending", None) is None
-    handle.wait()  # again: nothing more happens
-    return mine.tolist(), released, True
+    mine.zero_()
+    handle.wait()  # again: nothing is summed into `mine` a second time
+    return landed, released, mine.tolist()
 
 
 def test_an_asynchronous_reduce_scatter_lands_once_and_lets_go_of_its_buffers(
@@ -334,4 +336,4 @@ def test_an_asynchronous_reduce_scatter_lands_once_and_lets_go_of_its_buffers(
     bucket's buffers live through backward: a whole gradient again)."""
     results = world2.run(reduce_scatter_landing)
     assert results[0][0] == [0.0, 3.0, 6.0, 9.0] and results[1][0] == [12.0, 15.0, 18.0, 21.0]
-    assert all(released and again for _, released, again in results)
+    assert all(released and again == [0.0] * 4 for _, released, again in results)

@@ -330,21 +330,17 @@ class _Scattering:
 
     def __init__(self, reduction: ShardedReduction, bucket: Bucket, pending: Handle,
                  incoming: torch.Tensor) -> None:
-        self.reduction: ShardedReduction | None = reduction
-        self.bucket: Bucket | None = bucket
-        self.pending: Handle | None = pending
-        self.incoming: torch.Tensor | None = incoming
+        self._in_flight: tuple[ShardedReduction, Bucket, Handle, torch.Tensor] | None = \
+            (reduction, bucket, pending, incoming)
         self.landed_ns = 0  # when it landed (the timeline's end of its span)
 
     def wait(self) -> None:
-        reduction, bucket, pending, incoming = \
-            self.reduction, self.bucket, self.pending, self.incoming
-        if reduction is None or bucket is None or pending is None or incoming is None:
+        if self._in_flight is None:
             return  # landed already
         # Let go of everything first: the backend's handle holds the full bucket and the
         # received chunks, which must not outlive the landing (a handle is kept until
         # backward's end).
-        self.reduction = self.bucket = self.pending = self.incoming = None
+        (reduction, bucket, pending, incoming), self._in_flight = self._in_flight, None
         if reduction._in_flight is self:
             reduction._in_flight = None
         pending.wait()

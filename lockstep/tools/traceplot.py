@@ -42,7 +42,7 @@ def bars(trace: dict[str, Any], steps: int) -> tuple[list[str], list[Bar], list[
     (a step that also evaluated or saved would dwarf the others; taken only if there are
     too few without), times from the first of them; and those steps' numbers."""
     events = trace["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events
+    names = {e["pid"]: e["args"]["name"].split(" (")[0] for e in events  # "rank 3"
              if e["ph"] == "M" and e["name"] == "process_name"}
     spans = [e for e in events if e["ph"] == "X"]
     kept = set.intersection(*({e["args"]["step"] for e in spans if e["pid"] == pid}
@@ -54,10 +54,9 @@ def bars(trace: dict[str, Any], steps: int) -> tuple[list[str], list[Bar], list[
     if not shown:
         return [], [], []
     origin = min(e["ts"] for e in shown)
-    rows = [f"{names[pid].split(' (')[0]} {track}" for pid in sorted(names)
-            for track in ("compute", "comm")
+    rows = [f"{names[pid]} {track}" for pid in sorted(names) for track in ("compute", "comm")
             if any(e["pid"] == pid and e["cat"] == track for e in shown)]
-    return rows, [Bar(f"{names[e['pid']].split(' (')[0]} {e['cat']}", kind_of(e["name"], e["cat"]),
+    return rows, [Bar(f"{names[e['pid']]} {e['cat']}", kind_of(e["name"], e["cat"]),
                       (e["ts"] - origin) / 1000, e["dur"] / 1000) for e in shown], chosen
 
 

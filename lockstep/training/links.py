@@ -50,7 +50,9 @@ class LinkProbe:
     REUSE = 5
 
     def __init__(self) -> None:
-        self._last: tuple[list[int], SlowLink | None, int] | None = None
+        self._hosts: list[int] = []  # each rank's host when the verdict was found
+        self._found: SlowLink | None = None
+        self._reuses_left = 0
 
     def slow_link(self) -> SlowLink | None:
         """The host whose link is slow, if one is (None with fewer than three hosts)."""
@@ -61,13 +63,13 @@ class LinkProbe:
         hosts = [numbers.setdefault(n, len(numbers)) for n in names]
         if len(numbers) < 3:
             return None
-        if self._last is not None and self._last[0] == hosts and self._last[2] > 0:
-            self._last = (hosts, self._last[1], self._last[2] - 1)
-            return self._last[1]
+        if hosts == self._hosts and self._reuses_left > 0:
+            self._reuses_left -= 1
+            return self._found
         first = [hosts.index(h) for h in range(len(numbers))]
-        found = verdict(link_rates(first), first)
-        self._last = (hosts, found, self.REUSE - 1)
-        return found
+        self._hosts, self._found = hosts, verdict(link_rates(first), first)
+        self._reuses_left = self.REUSE - 1
+        return self._found
 
 
 def verdict(rates: list[float], first_ranks: list[int]) -> SlowLink | None:
