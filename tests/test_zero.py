@@ -26,6 +26,8 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
         else lockstep.DataParallel(net, bucket_mb=0.004, first_bucket_mb=0.004)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt, ref_opt = model.make_optimizer(cls, **kwargs), cls(reference.parameters(), **kwargs)
+    if stage:  # shards of a few hundred elements: stepped in pieces (pieces.py)
+        opt.stepping.piece_numel = 128
     for step in range(STEPS):
         x, y = batch(kind, step, PER_RANK * n)
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)

@@ -17,6 +17,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
+from lockstep.sharding.pieces import PiecewiseStep, elementwise
 from lockstep.sharding.zero import FlatGroup, gather_all
 
 
@@ -57,6 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         optimizer.stage, optimizer.make, optimizer.groups, optimizer.group = 0, make, [], None
         optimizer.stepped, optimizer.previous = False, None
         optimizer.inner = make(list(params))
+        optimizer.stepping = PiecewiseStep(optimizer.inner, make)
         return optimizer
 
     def rebind(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
@@ -70,6 +72,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.groups, self.group = groups, group
         self.inner = self.make(self.stepped_params())
         self.inner.param_groups[0].update(settings)
+        self.stepping = PiecewiseStep(self.inner, self.make)
         self.stepped, self.previous = False, None
         if getattr(self.inner, "needs_whole_tensors", False):
             raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
@@ -137,7 +140,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
              ) -> None:
         if self.mirrored:
             self._keep_previous()
-        self.inner.step(closure)
+        self.stepping.step(closure)
         self.stepped = True
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             self.gather_params("all-gather of the stepped parameters")
@@ -231,10 +234,3 @@ def numeric_settings(param_group: dict[str, Any]) -> dict[str, Any]:
         return number(value)
 
     return {k: v for k, v in param_group.items() if k != "params" and plain(v)}
-
-
-def elementwise(value: Any, param: torch.Tensor) -> bool:
-    """Whether an optimizer state is one value per element of `param` (a momentum), not one
-    for the whole tensor (Adam's step count)."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and \
-        value.numel() == param.numel()

@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.sharding.optimizer import ZeroOptimizer, elementwise, numeric_settings
+from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
+from lockstep.sharding.pieces import elementwise
 from lockstep.sharding.sharded import ShardedDataParallel
 from lockstep.sharding.zero import FlatGroup, padded
 

@@ -25,7 +25,8 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 
 from lockstep import comm
-from lockstep.sharding.optimizer import ZeroOptimizer, elementwise, numeric_settings
+from lockstep.sharding.optimizer import ZeroOptimizer, numeric_settings
+from lockstep.sharding.pieces import elementwise
 from lockstep.sharding.sharded import ShardedDataParallel
 from lockstep.sharding.zero import FlatGroup
 
