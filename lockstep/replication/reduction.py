@@ -66,12 +66,20 @@ def adopt_gradient(param: torch.Tensor, view: torch.Tensor, scale: float,
         if scale != 1.0:
             view.mul_(scale)
         return
-    with torch.no_grad():  # under create_graph the gradient has a graph: take its values
-        if reduction is None or bucket is None:
-            scaled_copy(grad, view, scale)
-        else:
-            reduction.absorb(grad, view, scale, bucket)
+    if torch.is_grad_enabled():  # create_graph: the gradient has a graph; take its values
+        with torch.no_grad():
+            _move(grad, view, scale, reduction, bucket)
+    else:  # backward without create_graph runs its hooks so (no_grad's cost per gradient)
+        _move(grad, view, scale, reduction, bucket)
     param.grad = view
+
+
+def _move(grad: torch.Tensor, view: torch.Tensor, scale: float, reduction: Reduction | None,
+          bucket: Bucket | None) -> None:
+    if reduction is None or bucket is None:
+        scaled_copy(grad, view, scale)
+    else:
+        reduction.absorb(grad, view, scale, bucket)
 
 
 class Bucket:
