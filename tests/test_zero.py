@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import pytest
@@ -18,11 +19,12 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, {"lr": 3e-3, "weight_decay": 0.1}),
 
 
 def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
-                clip: float | None = None) -> tuple[float, str]:
+                clip: float | None = None, algorithm: str = "native") -> tuple[float, str]:
     world = lockstep.init()
     rank, n = world.rank, world.world_size
     net, reference = make_model(kind), make_model(kind)
-    model = lockstep.shard(net, stage, bucket_mb=0.004, first_bucket_mb=0.004) if stage \
+    model = lockstep.shard(net, stage, bucket_mb=0.004, first_bucket_mb=0.004,
+                           algorithm=algorithm) if stage \
         else lockstep.DataParallel(net, bucket_mb=0.004, first_bucket_mb=0.004)
     cls, kwargs = OPTIMIZERS[optimizer]
     opt, ref_opt = model.make_optimizer(cls, **kwargs), cls(reference.parameters(), **kwargs)
@@ -40,6 +42,8 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
                 opt.clip_grad_norm_(clip)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if algorithm == "shm" and rank == n - 1:  # a late writer: the others must wait for
+            time.sleep(0.02)                      # its shards before gathering them
         opt.step()
         ref_opt.zero_grad()
         loss_of(kind, reference, x, y).backward()
@@ -63,6 +67,52 @@ def test_every_stage_trains_like_one_process(world: World, stage: int) -> None:
             worst = max(r[0] for r in results)
             assert worst < 5e-5, f"stage {stage} {optimizer} x{accumulate}: {worst:.2e}"
             assert len({r[1] for r in results}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_shards_gathered_through_host_memory_train_like_one_process(world: World,
+                                                                    stage: int) -> None:
+    """algorithm="shm": every gather a copy from the host's shared shards, read only once
+    every rank has written them (a step, the first forward's barrier)."""
+    for optimizer, accumulate in (("adamw", 1), ("sgd", 2)):
+        results = world.run(train_stage, "transformer", stage, optimizer, accumulate,
+                            None, "shm")
+        worst = max(r[0] for r in results)
+        assert worst < 5e-5, f"stage {stage} {optimizer} x{accumulate}: {worst:.2e}"
+        assert len({r[1] for r in results}) == 1
+
+
+def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    """Stage 3, algorithm="shm": the last rank writes its shards late (as a checkpoint's
+    load writes them in place), then every rank evaluates."""
+    world = lockstep.init()
+    model = lockstep.shard(make_model("mlp"), 3, algorithm="shm")
+    x, _ = batch("mlp", 0, 4)
+    with torch.no_grad():
+        before = model(x)
+        if world.rank == world.world_size - 1:
+            time.sleep(0.05)
+        for g in model.zero_groups:
+            g.shard_param.mul_(0.5)
+        after = model(x)  # a forward that follows a load, not a step: it waits too
+    refused = []
+    for kwargs in ({"wire": "int8"}, {"algorithm": "ring"}):
+        try:
+            lockstep.shard(make_model("mlp"), 2, **{"algorithm": "shm", **kwargs})
+        except ValueError as error:
+            refused.append(str(error))
+    return before, after, refused
+
+
+def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> None:
+    results = world.run(load_then_evaluate)
+    for before, after, _ in results:
+        assert torch.equal(after, results[0][1])  # every rank computed with the new weights
+        assert not torch.equal(after, before)
+    refused = results[0][2]
+    assert len(refused) == 2
+    assert "wire='int8': nothing crosses a network" in refused[0]
+    assert "algorithm= is 'native' or 'shm'" in refused[1] and "'ring'" in refused[1]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -142,6 +142,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self._keep_previous()
         self.stepping.step(closure)
         self.stepped = True
+        if self.groups and self.groups[0].host is not None:
+            self.groups[0].host.shards_changed()
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             self.gather_params("all-gather of the stepped parameters")
         if self.stage == 1:

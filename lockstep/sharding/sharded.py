@@ -31,6 +31,7 @@ from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
 from lockstep.sharding import compressed
 from lockstep.sharding.gather import Gatherer, guard_orphans
+from lockstep.sharding.hostshards import HostShards, check_one_host
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.zero import (
     FlatGroup,
@@ -75,6 +76,9 @@ class ShardedDataParallel(DataParallel):
             (compressed.py: ZeRO++'s qgZ and qwZ).
         error_feedback: with a compressed wire, carry what a gradient's encoding rounded
             off into the next step (costs a full gradient bucket per rank).
+        algorithm: "native", or "shm" with every rank on one host: the shards live in
+            host-shared memory and a gather copies them (hostshards.py); reduce-scatters
+            and stage 1's all-reduce stay on the backend.
     """
 
     def __init__(self, module: nn.Module, stage: int = 3, *,
@@ -83,13 +87,20 @@ class ShardedDataParallel(DataParallel):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
         compressed.check(wire, stage, error_feedback)
-        for name in ("algorithm", "compress", "reduction"):
-            if kwargs.get(name) not in (None, "native"):
+        algorithm = kwargs.pop("algorithm", None) or "native"
+        if algorithm not in ("native", "shm"):
+            raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
+                             f"all-gather; its algorithm= is 'native' or 'shm' (gathers "
+                             f"through one host's memory), not {algorithm!r}")
+        for name in ("compress", "reduction"):
+            if kwargs.get(name) is not None:
                 raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
                                  f"all-gather; it takes no {name}=")
-        self.stage, self._unit = stage, unit
+        self.stage, self._unit, self.algorithm = stage, unit, algorithm
         self.wire, self._error_feedback = wire, error_feedback
         self.mirror = MIRRORED.get() if mirror is None else mirror
+        if algorithm == "shm":
+            check_one_host(kwargs.get("group"), stage, wire, self.mirror)
         if self.mirror and wire != "full":
             raise ValueError(
                 f"rank {comm.rank_of(kwargs.get('group'))}: ZeRO with wire={wire!r} "
@@ -107,6 +118,8 @@ class ShardedDataParallel(DataParallel):
         """Lay the parameters out in flat groups and, at stage 3, shard them."""
         self.zero_groups = build_groups(self.module, self.stage, self.group,
                                         *self._bucket_bytes, self._unit, self.mirror, self.wire)
+        if self.algorithm == "shm":
+            HostShards(self.zero_groups, self.stage, self.group)
         sharding = ShardedReduction(self.zero_groups, self.stage, self.group,
                                     self._error_feedback)
         if self.stage == 3:
@@ -220,8 +233,7 @@ _OWN_COLLECTIVES = "ZeRO moves gradients and parameters with its own reduce-scat
 
 @refusing(
     compress=f"{_OWN_COLLECTIVES}: ShardConfig(wire='bf16' or 'int8') sends those in fewer "
-             "bits (stages 2-3); PowerSGD and TopK are SyncConfig's, without sharding",
-    algorithm=f"{_OWN_COLLECTIVES}; the algorithms are SyncConfig's")
+             "bits (stages 2-3); PowerSGD and TopK are SyncConfig's, without sharding")
 @dataclass
 class ShardConfig:
     """ZeRO as a training mode: gradients averaged every step, model state sharded."""
@@ -239,17 +251,23 @@ class ShardConfig:
     """Stages 2-3: reduce-scatters and gathers in "full" precision, "bf16" or "int8"."""
     error_feedback: bool = False
     """With a compressed wire: carry each gradient's rounding into the next step."""
+    algorithm: str = "native"
+    """"shm" with every rank on one host: gathers copy the shards from host-shared memory."""
 
     def validate(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         check_mode(self.nonfinite)
         compressed.check(self.wire, self.stage, self.error_feedback)
+        if self.algorithm not in ("native", "shm"):
+            raise ValueError(f"ShardConfig(algorithm={self.algorithm!r}): {_OWN_COLLECTIVES}, "
+                             "through the backend ('native') or one host's memory ('shm'); "
+                             "ring, tree and hierarchical are SyncConfig's")
 
     def build(self, module: nn.Module) -> ShardedDataParallel:
         return shard(module, self.stage, bucket_mb=self.bucket_mb,
                      find_unused=self.find_unused, nonfinite=self.nonfinite, wire=self.wire,
-                     error_feedback=self.error_feedback)
+                     error_feedback=self.error_feedback, algorithm=self.algorithm)
 
 
 def shard(module: nn.Module, stage: int = 3, **kwargs: Any) -> ShardedDataParallel:

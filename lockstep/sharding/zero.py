@@ -88,6 +88,7 @@ class FlatGroup:
     mirror_param: nn.Parameter | None = field(default=None, repr=False)
     mirror_grad: torch.Tensor | None = field(default=None, repr=False)
     wire: str = "full"                              # how its gathers travel (compressed.py)
+    host: Any = None                                # HostShards: gathered from host memory
 
     def materialize(self) -> None:
         """Give the full buffer its memory back (contents undefined until gathered)."""
@@ -96,12 +97,13 @@ class FlatGroup:
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
 
-    def start_gather(self, what: str, process_group: comm.Group,
-                     exact: bool = False) -> comm.Pending | compressed.DecodingGather:
+    def start_gather(self, what: str, process_group: comm.Group, exact: bool = False
+                     ) -> comm.Pending | compressed.DecodingGather | Done:
         """Bring the full buffer back and start filling it from every rank's shard. The
         own shard is copied in first, so a gather left in flight never sees it stepped.
         With a compressed wire every shard, the own one too, arrives decoded -- unless
-        `exact` (a state dict: the masters themselves)."""
+        `exact` (a state dict: the masters themselves). From host memory (hostshards.py):
+        filled before it returns."""
         self.materialize()
         if self.wire != "full" and not exact:
             self.pending_since_ns = time.time_ns()
@@ -109,6 +111,9 @@ class FlatGroup:
                                            process_group)
         self.flat[self.shard].copy_(self.shard_param.detach())
         self.pending_since_ns = time.time_ns()  # (a prefetch's span starts here)
+        if self.host is not None:
+            self.host.gather(self)
+            return Done()
         return comm.gather_shards_async(self.flat, what, process_group)
 
     def finish_prefetch(self) -> None:

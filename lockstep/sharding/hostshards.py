@@ -1,0 +1,102 @@
+"""ZeRO's gathers through host-shared memory: `lockstep.shard(model, k, algorithm="shm")`.
+
+With every rank on one host, a shard need not travel through a socket: each rank's shards
+live in anonymous memory files that the host's other ranks map (comm/shm.py), and gathering
+a flat group is copying every rank's shard into the full buffer -- a memcpy per rank, where
+a Gloo broadcast copies through loopback TCP in the kernel, on the cores the ranks compute
+with. The reduce-scatters (stages 2-3) and stage 1's all-reduce stay on the backend.
+
+Where the shared shard is: at stages 1-2 the flat buffer itself (the parameters' memory;
+a rank's shard is its slice of it), at stage 3 the shard the optimizer steps (the full
+buffer stays this rank's own, coming and going as before).
+
+When a peer's shard may be read: shards change in the optimizer's step and when a
+checkpoint is loaded, both between one backward and the next forward. So the first gather
+after a step (stages 1-2) or of a forward (stage 3, however the forward was called), and a
+state dict's gather, first meet every rank of the host at a barrier: each has finished
+writing its shards. A rank cannot write its shards again before the others have read them:
+its next step waits for reduce-scatters (or an all-reduce) that they join only after their
+gathers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lockstep import comm
+from lockstep.comm.shm import HostBarrier, HostMemory, shm_available
+from lockstep.comm.world import current
+
+if TYPE_CHECKING:
+    from lockstep.sharding.zero import FlatGroup
+
+
+def check_one_host(group: comm.Group, stage: int, wire: str, mirror: bool) -> None:
+    """Refuse algorithm="shm" where its shards could not be shared, with the reason."""
+    rank = comm.rank_of(group)
+    world = current()
+    reason = shm_available()
+    if reason is not None:
+        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm': {reason}")
+    if group is not None or world.num_hosts > 1:
+        raise ValueError(
+            f"rank {rank}: ZeRO with algorithm='shm' shares shards through one host's memory, "
+            f"and this job spans {world.num_hosts} host(s)"
+            + ("" if group is None else " (or a process group of its own)")
+            + "; use the default algorithm across hosts")
+    if wire != "full" or mirror:
+        raise ValueError(
+            f"rank {rank}: ZeRO with algorithm='shm' and "
+            + (f"wire={wire!r}: nothing crosses a network to compress" if wire != "full" else
+               "fault tolerance: a rank's shards would die with its memory file's last "
+               "mapping")
+            + f" (stage {stage}); use one or the other")
+
+
+class HostShards:
+    """Every flat group's shards in host-shared memory, and the gathers that copy them."""
+
+    def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group) -> None:
+        self.memory = HostMemory(group)
+        self.barrier = HostBarrier(self.memory, current().timeout.total_seconds())
+        self.me = self.memory.local_rank
+        self.stale = True  # shards may have been written since the last barrier
+        # per group, each local rank's shard as this rank sees it
+        self.shards = [self._share(g, stage) for g in groups]
+        for g in groups:
+            g.host = self
+
+    def _share(self, g: FlatGroup, stage: int) -> list[torch.Tensor]:
+        """Move `g`'s shared part into host memory; every rank's shard of it, mapped."""
+        if stage == 3:
+            views = self.memory.allocate(g.shard_param.numel(), g.shard_param.dtype)
+            views[self.me].copy_(g.shard_param.detach())
+            g.shard_param.data = views[self.me]
+            return views
+        views = self.memory.allocate(g.padded_numel, g.flat.dtype)
+        flat = views[self.me]
+        flat.copy_(g.flat)
+        for p, offset in zip(g.params, g.offsets, strict=True):
+            p.data = flat[offset:offset + p.numel()].view_as(p)
+        g.flat = flat
+        g.shard_param.data = flat[g.shard]
+        size = g.padded_numel // len(views)
+        return [view[k * size:(k + 1) * size] for k, view in enumerate(views)]
+
+    def shards_changed(self) -> None:
+        """Some rank may have written its shards (a step, a load): the next gather waits
+        until every rank is done writing."""
+        self.stale = True
+
+    def gather(self, g: FlatGroup) -> None:
+        """Fill `g`'s full buffer with every rank's shard (its own already copied in)."""
+        if self.stale:
+            self.barrier.wait("ZeRO (shm): every rank of the host done writing its shards, "
+                              "before they are gathered")
+            self.stale = False
+        size = g.padded_numel // len(self.shards[g.index])
+        for k, shard in enumerate(self.shards[g.index]):
+            if k != self.me:
+                g.flat[k * size:(k + 1) * size].copy_(shard)
