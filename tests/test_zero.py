@@ -206,14 +206,14 @@ def test_model_state_memory_matches_the_zero_formulas(size: int, stage: int,
 
 
 def train_and_checkpoint(stage: int, root: str, save_after: int | None, load: bool,
-                         steps: int) -> list[torch.Tensor]:
+                         steps: int, algorithm: str = "native") -> list[torch.Tensor]:
     """Train the transformer; save after `save_after` steps or start from the checkpoint;
     return the parameters' fingerprint after each step that follows."""
     world = lockstep.init()
     rank, n = world.rank, world.world_size
     buckets = {"bucket_mb": 0.004, "first_bucket_mb": 0.004}
     net = make_model("transformer")
-    model = lockstep.shard(net, stage, **buckets) if stage else \
+    model = lockstep.shard(net, stage, algorithm=algorithm, **buckets) if stage else \
         lockstep.DataParallel(net, **buckets)  # type: ignore[arg-type]
     opt = model.make_optimizer(torch.optim.AdamW, lr=3e-3, weight_decay=0.1)
     start = 0
@@ -254,11 +254,12 @@ def test_a_stage3_checkpoint_from_3_ranks_continues_at_stage1_on_2(world2: World
                                                                    tmp_path) -> None:
     root = str(tmp_path / "ck")
     original = world3.run(train_and_checkpoint, 3, root, 5, False, 8)[0]  # steps 6, 7, 8
-    for stage in (1, 0, 2):
-        moved = world2.run(train_and_checkpoint, stage, root, None, True, 3)[0]
+    for stage, algorithm in ((1, "native"), (0, "native"), (2, "native"), (3, "shm")):
+        moved = world2.run(train_and_checkpoint, stage, root, None, True, 3, algorithm)[0]
         for after, expected in zip(moved, original, strict=True):  # each of the 3 steps
             gap = (after - expected).abs().max().item()
-            assert gap < 5e-5, f"stage 3 on 3 ranks -> stage {stage} on 2: {gap:.1e}"
+            assert gap < 5e-5, \
+                f"stage 3 on 3 ranks -> stage {stage} ({algorithm}) on 2: {gap:.1e}"
 
 
 def check_trainer_sharded(run_dir: str, stage: int) -> tuple[str, list[torch.Tensor]]:
