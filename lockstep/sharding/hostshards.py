@@ -46,6 +46,10 @@ def check_one_host(group: comm.Group, stage: int, wire: str, mirror: bool) -> No
             f"and this job spans {world.num_hosts} host(s)"
             + ("" if group is None else " (or a process group of its own)")
             + "; use the default algorithm across hosts")
+    if world.device.type != "cpu":
+        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards in host "
+                         f"memory, and this job's parameters live on {world.device.type}; "
+                         "the backend's own gathers are the fast path there")
     if wire != "full" or mirror:
         raise ValueError(
             f"rank {rank}: ZeRO with algorithm='shm' and "
