@@ -165,7 +165,8 @@ def lockstep_worker(out: Path, steps: int) -> None:
 
 
 def records(out: Path) -> dict[str, list[dict[str, Any]]]:
-    return {f.stem: [json.loads(line) for line in f.read_text().splitlines() if line]
+    """Every worker's notes so far: whole lines only (a worker may be writing the last)."""
+    return {f.stem: [json.loads(line) for line in f.read_text().split("\n")[:-1] if line]
             for f in out.glob("*.jsonl")}
 
 

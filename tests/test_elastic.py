@@ -121,6 +121,38 @@ def test_every_member_stops_for_joiners_at_the_step_set_even_if_its_heartbeat_la
         member.leave()
 
 
+def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
+    """Rank 0's heartbeat vets a joiner as soon as the joiners' count moves (not at its
+    next beat: a beat here is a minute), and rank 0's training thread sets the stopping
+    step at its next boundary, one step (and round) ahead."""
+    from lockstep.elastic import ElasticConfig
+    from lockstep.elastic.quorum import Coordinator
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                       wait_for_workers=False)
+    jobs = torch.distributed.PrefixStore(PREFIX, store)
+    rank0 = Coordinator(f"127.0.0.1:{port}", "a", ElasticConfig(heartbeat_s=60), initial=2)
+    try:
+        deadline = time.monotonic() + 30
+        while int(jobs.add(f"hb/{rank0.id}", 0)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # its first beat is behind it: the next is a minute away
+        now = Membership(0, (rank0.id, 9), ("a", "a"), (10, 11), 30, me=rank0.id)
+        rank0.heartbeat.follow(now, align=4)
+        assert not rank0.grow_due(now, 33)  # nobody waits
+        slot = int(jobs.add("joiners", 1)) - 1
+        jobs.set(f"joiner/{slot}", "12")
+        deadline = time.monotonic() + 10
+        while rank0.heartbeat.joiners_for != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rank0.heartbeat.joiners_for == 0, "the joiner was not noticed between beats"
+        assert not rank0.grow_due(now, 34)  # the next boundary on a round of 4: 36
+        assert jobs.get("grow/0") == b"36"
+        assert not rank0.grow_due(now, 35) and rank0.grow_due(now, 36)
+    finally:
+        rank0.leave()
+
+
 def test_which_errors_mean_a_peer_is_gone() -> None:
     assert membership_failure(CollectiveError("rank 0: bucket failed"))
     assert membership_failure(RuntimeError("[../gloo/pair.cc:553] Connection closed by peer"))

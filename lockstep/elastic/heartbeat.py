@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import math
 import threading
 import time
 from datetime import timedelta
@@ -89,14 +88,19 @@ def admissible_joiners(store: dist.Store, terms: dict[str, Any]) -> list[int]:
     return admissible
 
 
+JOINER_POLL_S = 0.02  # how often the epoch's rank 0 looks for a new joiner (one store call)
+
+
 class Heartbeat:
     """A daemon thread with its own store connection: bumps this worker's counter, learns
-    when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- sets that
-    step when joiners are waiting: two steps ahead (no member can be past it yet: they are
-    within a step of each other), or a fifth of a second of steps if more, and on a round
-    boundary (`align`). A member whose heartbeat has not learnt it yet asks the store at
-    each step boundary (`grow_due`), so a joiner waits for little more than two steps.
-    (A second ahead, as before, kept a joiner waiting about that long.)"""
+    when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- vets the
+    joiners as soon as their count moves (read every JOINER_POLL_S, not at the next beat)
+    and says when admissible ones wait (`joiners_for`). Rank 0's training thread then sets
+    the stopping step at its next step boundary (Coordinator.grow_due): set there, one step
+    ahead is safe, since no member can finish a step rank 0 has not begun. (Set from this
+    thread, it had to be a fifth of a second of steps ahead: a starved thread reads a step
+    that training has left behind. That and a beat's quarter second were most of a
+    joiner's wait.)"""
 
     def __init__(self, address: str, worker: int, config: ElasticConfig,
                  terms: dict[str, Any]) -> None:
@@ -107,10 +111,11 @@ class Heartbeat:
         self.worker, self.interval = worker, config.heartbeat_s
         self.membership: Membership | None = None
         self.align = 1
-        self.step, self._step_s = 0, 0.1
-        self._last_tick: float | None = None
         self._grow: tuple[int, int] | None = None  # (epoch, step)
+        self._joiners = -1  # the joiners' count rank 0 last vetted
+        self.joiners_for: int | None = None  # the epoch for which admissible joiners wait
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a new membership (or stop): look again at once
         self._complained = False
         self.lost = False  # the store's server is gone
         self._thread = threading.Thread(target=self._run, name="lockstep-heartbeat",
@@ -120,13 +125,8 @@ class Heartbeat:
 
     def follow(self, membership: Membership, align: int) -> None:
         self.membership, self.align = membership, max(1, align)
+        self._wake.set()
 
-    def tick(self, step: int) -> None:
-        """The training thread reached a step boundary (a plain write; the thread reads)."""
-        now = time.monotonic()
-        if self._last_tick is not None and step == self.step + 1:
-            self._step_s = 0.8 * self._step_s + 0.2 * (now - self._last_tick)
-        self.step, self._last_tick = step, now
 
     def grow_at(self, epoch: int) -> int | None:
         grow = self._grow
@@ -138,14 +138,20 @@ class Heartbeat:
         an active exception"). Its store calls end within the store's timeout."""
         atexit.unregister(self.stop)
         self._stop.set()
+        self._wake.set()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=self._store_timeout_s)
 
     def _run(self) -> None:
+        next_beat = 0.0
         while not self._stop.is_set():
             try:
-                self.store.add(f"hb/{self.worker}", 1)
-                self._watch_growth()
+                now = time.monotonic()
+                beat = now >= next_beat
+                if beat:
+                    self.store.add(f"hb/{self.worker}", 1)
+                    next_beat = now + self.interval
+                self._watch_growth(vet=beat or self._joiner_arrived())
             except EtcdUnavailable as error:  # replicated: reachable again later, maybe
                 log.warning("worker %d: %s; asking again", self.worker,
                             store_gone(self.address, error))
@@ -158,17 +164,27 @@ class Heartbeat:
                 if connection_lost(error):  # for good: no more calls (each logs a C++
                     self.lost = True        # stack trace)
                     return
-            self._stop.wait(self.interval)
+            self._wake.wait(JOINER_POLL_S if self._leading() else self.interval)
+            self._wake.clear()
 
-    def _watch_growth(self) -> None:
+    def _leading(self) -> bool:
         m = self.membership
-        if m is None or self.grow_at(m.epoch) is not None:
+        return m is not None and m.me == m.ids[0] and self.grow_at(m.epoch) is None
+
+    def _joiner_arrived(self) -> bool:
+        """Rank 0: whether the joiners' count moved since it last looked."""
+        if not self._leading():
+            return False
+        count = int(self.store.add("joiners", 0))
+        arrived, self._joiners = count != self._joiners, count
+        return arrived
+
+    def _watch_growth(self, vet: bool) -> None:
+        m = self.membership
+        if m is None or self.grow_at(m.epoch) is not None or (self._leading() and not vet):
             return
         key = f"grow/{m.epoch}"
-        if not self.store.check([key]):
-            if m.me != m.ids[0] or not admissible_joiners(self.store, self.terms):
-                return
-            ahead = max(2, math.ceil(0.2 / max(self._step_s, 1e-3)))
-            at = math.ceil((self.step + ahead) / self.align) * self.align
-            self.store.compare_set(key, "", str(at))
-        self._grow = (m.epoch, int(self.store.get(key)))
+        if self.store.check([key]):
+            self._grow = (m.epoch, int(self.store.get(key)))
+        elif m.me == m.ids[0] and admissible_joiners(self.store, self.terms):
+            self.joiners_for = m.epoch

@@ -177,7 +177,6 @@ class Elastic:
             begin = getattr(self.optimizer, "begin_step", None)
             if begin is not None:  # ZeRO: whether this attempt stepped the shards
                 begin()
-            self.coordinator.heartbeat.tick(self.step)
             if self.coordinator.grow_due(self._current(), self.step):
                 with timeline.span("regroup (admitting joiners)"):
                     self._regroup(planned=True)
@@ -271,7 +270,7 @@ class Elastic:
         rewrap = planned or not self._keeps_wrapper
         if planned:
             rounds.before_planned_regroup(self.model)
-        self._leave_group(drop_wrapper=rewrap)
+        self._leave_group(drop_wrapper=rewrap, failed=not planned)
         try:
             membership = self.coordinator.regroup(previous, self.step, planned)
         except Excluded as error:
@@ -287,11 +286,14 @@ class Elastic:
         self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
                     previous=previous)
 
-    def _leave_group(self, drop_wrapper: bool) -> None:
+    def _leave_group(self, drop_wrapper: bool, failed: bool) -> None:
         """Close the old group's connections before the quorum, so a peer still blocked in
         a collective with this rank fails at once rather than at its timeout. Nothing may
         keep the group alive: the wrapper's own groups go with it, and the failed work
-        with the error's frames (failures.forget_frames)."""
+        with the error's frames (failures.forget_frames). A full garbage collection takes
+        a tenth of a second or more with torch loaded, most of a joiner's wait: a planned
+        regroup (nothing failed) collects the young generations, and the old ones only if
+        the wrapper is still alive after."""
         if drop_wrapper and isinstance(self.model, ShardedDataParallel):
             assert isinstance(self.optimizer, ZeroOptimizer)
             self._held = recovery.hold(self.model.zero_groups, self.optimizer,
@@ -305,9 +307,11 @@ class Elastic:
         if drop_wrapper and self.model is not None:
             dropped, self.model = weakref.ref(self.model), None
             self.drift = None  # it watches that wrapper (_rewrap makes the next one's)
-        gc.collect()  # frames and works in reference cycles
+        gc.collect(2 if failed else 1)  # frames and works in reference cycles
         if dropped is not None and dropped() is not None:
-            still_held(dropped(), self.world.rank)
+            gc.collect()
+            if dropped() is not None:
+                still_held(dropped(), self.world.rank)
         reporter.stop()  # no progress or watchdog store call while the group goes
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -26,6 +26,7 @@ mid-way is replaced by "abandoned", and everyone moves on to e+1).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from datetime import timedelta
@@ -129,7 +130,9 @@ class Coordinator:
                             self.id)
                 self.leave()
                 raise JobFinished()
-            time.sleep(0.05)
+            # Alive as the leader judges it (a counter that moves), sooner than a beat
+            self.store.add(f"hb/{self.id}", 1)
+            time.sleep(_POLL_S)
         raise QuorumError(f"worker {self.id} (host {self.host}): not admitted to the job "
                           f"within {self.config.join_timeout_s:.0f}s; is it still training?")
 
@@ -157,6 +160,9 @@ class Coordinator:
         key = f"grow/{membership.epoch}"
         if at is None and not self.heartbeat.lost:
             try:
+                if self.heartbeat.joiners_for == membership.epoch:  # rank 0: stop after
+                    align = self.heartbeat.align                    # the next step
+                    self.store.compare_set(key, "", str(math.ceil((step + 1) / align) * align))
                 if self.store.check([key]):
                     at = int(self.store.get(key))
             except EtcdUnavailable:  # unreachable for now: no joiner is let in meanwhile
