@@ -88,7 +88,7 @@ def admissible_joiners(store: dist.Store, terms: dict[str, Any]) -> list[int]:
     return admissible
 
 
-JOINER_POLL_S = 0.02  # how often the epoch's rank 0 looks for a new joiner (one store call)
+JOINER_POLL_S = 0.01  # how often the epoch's rank 0 looks for a new joiner (one store call)
 
 
 class Heartbeat:

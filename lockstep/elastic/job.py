@@ -307,7 +307,8 @@ class Elastic:
         if drop_wrapper and self.model is not None:
             dropped, self.model = weakref.ref(self.model), None
             self.drift = None  # it watches that wrapper (_rewrap makes the next one's)
-        gc.collect(2 if failed else 1)  # frames and works in reference cycles
+        if failed or (dropped is not None and dropped() is not None):
+            gc.collect(2 if failed else 1)  # frames and works in reference cycles
         if dropped is not None and dropped() is not None:
             gc.collect()
             if dropped() is not None:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 ABANDONED = "abandoned"
-_POLL_S = 0.02
+_POLL_S = 0.005
 
 
 class QuorumError(RuntimeError):
