@@ -141,6 +141,7 @@ def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
         rank0.heartbeat.follow(now, align=4)
         assert not rank0.grow_due(now, 33)  # nobody waits
         slot = int(jobs.add("joiners", 1)) - 1
+        time.sleep(0.1)  # rank 0 polls while the slot is taken but not yet named
         jobs.set(f"joiner/{slot}", "12")
         deadline = time.monotonic() + 10
         while rank0.heartbeat.joiners_for != 0 and time.monotonic() < deadline:

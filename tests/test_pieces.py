@@ -54,11 +54,28 @@ def test_pieces_step_to_the_same_bits_as_the_whole(kind: str) -> None:
         for optimizer in (plain, inner):  # as a scheduler would: on the inner optimizer
             optimizer.param_groups[0]["lr"] *= 0.7
     assert stepping.stepper is not None, "never split"  # the first step makes the state
-    assert len(stepping.stepper.param_groups[0]["params"]) == 4 + 1
+    assert stepping.last_pieces == 4 + 1
     for p, q in zip(whole, split):
         assert torch.equal(p, q)
         for key, value in plain.state[p].items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(inner.state[q][key])), key
+
+
+def test_a_closure_runs_before_the_pieces_are_cut() -> None:
+    """The closure recomputes the gradients (torch runs it first): the pieces must step
+    those, not the ones it replaced."""
+    make = KINDS["adamw"]
+    whole, split = shards(0), shards(0)
+    plain, inner = make(whole), make(split)
+    stepping = PiecewiseStep(inner, make, piece_numel=PIECE)
+    for step in range(3):
+        for params, optimizer in ((whole, plain), (split, stepping)):
+            give_gradients(params, step)
+            optimizer.step(lambda params=params, step=step:
+                           give_gradients(params, 50 + step) or 1.0)
+    assert stepping.stepper is not None
+    for p, q in zip(whole, split):
+        assert torch.equal(p, q)
 
 
 def test_what_would_not_split_steps_whole() -> None:

@@ -83,18 +83,21 @@ def test_shards_gathered_through_host_memory_train_like_one_process(world: World
 
 
 def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """Stage 3, algorithm="shm": the last rank writes its shards late (as a checkpoint's
-    load writes them in place), then every rank evaluates."""
+    """Stage 3, algorithm="shm": the last rank writes its shards late, as a checkpoint's
+    load does (bracketed), then every rank evaluates."""
+    from lockstep.sharding.hostshards import writing_shards
+
     world = lockstep.init()
     model = lockstep.shard(make_model("mlp"), 3, algorithm="shm")
     x, _ = batch("mlp", 0, 4)
     with torch.no_grad():
         before = model(x)
-        if world.rank == world.world_size - 1:
-            time.sleep(0.05)
-        for g in model.zero_groups:
-            g.shard_param.mul_(0.5)
-        after = model(x)  # a forward that follows a load, not a step: it waits too
+        with writing_shards(model.zero_groups, "a test's load"):
+            if world.rank == world.world_size - 1:
+                time.sleep(0.05)
+            for g in model.zero_groups:
+                g.shard_param.mul_(0.5)
+        after = model(x)
     refused = []
     for kwargs in ({"wire": "int8"}, {"algorithm": "ring"}):
         try:
@@ -107,12 +110,42 @@ def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
 def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> None:
     results = world.run(load_then_evaluate)
     for before, after, _ in results:
+        assert torch.equal(before, results[0][0])
         assert torch.equal(after, results[0][1])  # every rank computed with the new weights
         assert not torch.equal(after, before)
     refused = results[0][2]
     assert len(refused) == 2
     assert "wire='int8': nothing crosses a network" in refused[0]
     assert "algorithm= is 'native' or 'shm'" in refused[1] and "'ring'" in refused[1]
+
+
+def write_after_step(stage: int) -> str:
+    """Stages 1-2, algorithm="shm", where the shared memory is the parameters: each rank
+    writes them in place right after the step (as clamping or an EMA swap does) while the
+    last rank is slow to copy the others' shards."""
+    world = lockstep.init()
+    rank, n = world.rank, world.world_size
+    model = lockstep.shard(make_model("mlp"), stage, algorithm="shm")
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
+    if rank == n - 1:
+        host = model.zero_groups[0].host
+        copy = host.gather
+        host.gather = lambda g: (time.sleep(0.02), copy(g))
+    for step in range(4):
+        x, y = batch("mlp", step, 4 * n)
+        opt.zero_grad()
+        loss_of("mlp", model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+        opt.step()
+        with torch.no_grad():
+            for p in model.module.parameters():
+                p.mul_(0.9)
+    return digest(model.module, parameters_only=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_written_after_the_step_stay_alike_with_shared_shards(world2: World,
+                                                                        stage: int) -> None:
+    assert len(set(world2.run(write_after_step, stage))) == 1
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -145,6 +145,7 @@ class Heartbeat:
     def _run(self) -> None:
         next_beat = 0.0
         while not self._stop.is_set():
+            pause = JOINER_POLL_S if self._leading() else self.interval
             try:
                 now = time.monotonic()
                 beat = now >= next_beat
@@ -155,6 +156,7 @@ class Heartbeat:
             except EtcdUnavailable as error:  # replicated: reachable again later, maybe
                 log.warning("worker %d: %s; asking again", self.worker,
                             store_gone(self.address, error))
+                pause = self.interval  # not every JOINER_POLL_S while it is away
             except Exception as error:  # the store's host is gone: quorums will say so
                 if not self._complained:
                     self._complained = True
@@ -164,7 +166,7 @@ class Heartbeat:
                 if connection_lost(error):  # for good: no more calls (each logs a C++
                     self.lost = True        # stack trace)
                     return
-            self._wake.wait(JOINER_POLL_S if self._leading() else self.interval)
+            self._wake.wait(pause)
             self._wake.clear()
 
     def _leading(self) -> bool:
@@ -172,12 +174,16 @@ class Heartbeat:
         return m is not None and m.me == m.ids[0] and self.grow_at(m.epoch) is None
 
     def _joiner_arrived(self) -> bool:
-        """Rank 0: whether the joiners' count moved since it last looked."""
+        """Rank 0: whether the joiners' count moved since it last looked. A joiner takes
+        its slot, then names itself in it: a count whose last slot is still unnamed is
+        looked at again next time, not taken as seen."""
         if not self._leading():
             return False
         count = int(self.store.add("joiners", 0))
-        arrived, self._joiners = count != self._joiners, count
-        return arrived
+        if count == self._joiners or (count and not self.store.check([f"joiner/{count - 1}"])):
+            return False
+        self._joiners = count
+        return True
 
     def _watch_growth(self, vet: bool) -> None:
         m = self.membership

@@ -48,6 +48,7 @@ log = get_logger(__name__)
 
 ABANDONED = "abandoned"
 _POLL_S = 0.005
+_JOINER_BUMP_S = 0.02  # a waiting joiner's counter: a write (on etcd, a Raft entry) each
 
 
 class QuorumError(RuntimeError):
@@ -108,7 +109,7 @@ class Coordinator:
         slot = int(self.store.add("joiners", 1)) - 1
         self.store.set(f"joiner/{slot}", str(self.id))
         epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
-        deadline = time.monotonic() + self.config.join_timeout_s
+        deadline, next_bump = time.monotonic() + self.config.join_timeout_s, 0.0
         while time.monotonic() < deadline:
             key = f"members/{epoch}"
             if self.store.check([key]):
@@ -130,8 +131,9 @@ class Coordinator:
                             self.id)
                 self.leave()
                 raise JobFinished()
-            # Alive as the leader judges it (a counter that moves), sooner than a beat
-            self.store.add(f"hb/{self.id}", 1)
+            if time.monotonic() >= next_bump:  # alive as the leader judges it (a counter
+                self.store.add(f"hb/{self.id}", 1)  # that moves), sooner than a beat
+                next_bump = time.monotonic() + _JOINER_BUMP_S
             time.sleep(_POLL_S)
         raise QuorumError(f"worker {self.id} (host {self.host}): not admitted to the job "
                           f"within {self.config.join_timeout_s:.0f}s; is it still training?")
@@ -155,7 +157,12 @@ class Coordinator:
         """Whether the epoch stops at this step boundary to admit joiners. Until the
         heartbeat has learnt the step, the store is asked: a heartbeat thread starved on a
         loaded machine once learnt it too late, and that member went into the step the
-        others stopped before (its attempt interrupted, the step redone)."""
+        others stopped before (its attempt interrupted, the step redone).
+
+        Rank 0 sets the step here, at the next boundary (and round end) after the one it
+        stands at: no member can be past that, because every step -- under local SGD,
+        DiLoCo and streaming DiLoCo every round's end -- waits on a collective rank 0 has
+        not joined yet. A mode whose round ends without one would need more steps ahead."""
         at = self.heartbeat.grow_at(membership.epoch)
         key = f"grow/{membership.epoch}"
         if at is None and not self.heartbeat.lost:

@@ -97,8 +97,6 @@ class Gatherer:
         """Make unit u whole for use, and start gathering the one expected next: the next
         in forward order, or the previous one in backward."""
         self.users[u] += 1
-        if not backward and (not self.order or u == self.order[0]):
-            self._shards_may_have_changed()  # a forward starts: after a step or a load
         self._gather(u)
         if self._recording:  # the first forward teaches the order
             if u not in self.order:
@@ -110,11 +108,6 @@ class Gatherer:
             j = self.order.index(u) + (-1 if backward else 1)
             if 0 <= j < len(self.order):
                 self._prefetch(self.order[j])
-
-    def _shards_may_have_changed(self) -> None:
-        """Shared shards (hostshards.py) are read only once every rank is done writing."""
-        if self.groups and self.groups[0].host is not None:
-            self.groups[0].host.shards_changed()
 
     def _gather(self, u: int) -> None:
         group = self.groups[u]
@@ -164,13 +157,14 @@ class Gatherer:
     def all_gathered(self, exact: bool = False) -> Iterator[None]:
         """Every unit whole, for the duration (collective: every rank must enter); with
         `exact`, the masters themselves even where the wire is compressed."""
-        self.exact = exact
-        self._shards_may_have_changed()
+        # Not a forward: the order it gathers in is not the forward's (were it recorded,
+        # a state dict taken before the first forward would have every prefetch wrong)
+        self.exact, recording, self._recording = exact, self._recording, False
         try:
             for u in range(len(self.groups)):
                 self.acquire(u, backward=False)
         finally:
-            self.exact = False
+            self.exact, self._recording = False, recording
         try:
             yield
         finally:

@@ -10,18 +10,21 @@ Where the shared shard is: at stages 1-2 the flat buffer itself (the parameters'
 a rank's shard is its slice of it), at stage 3 the shard the optimizer steps (the full
 buffer stays this rank's own, coming and going as before).
 
-When a peer's shard may be read: shards change in the optimizer's step and when a
-checkpoint is loaded, both between one backward and the next forward. So the first gather
-after a step (stages 1-2) or of a forward (stage 3, however the forward was called), and a
-state dict's gather, first meet every rank of the host at a barrier: each has finished
-writing its shards. A rank cannot write its shards again before the others have read them:
-its next step waits for reduce-scatters (or an all-reduce) that they join only after their
-gathers.
+When a peer's shard may be read: every write to the shared shards -- the optimizer's step,
+a checkpoint's load, their first copy here -- is bracketed by host barriers: before it,
+every rank has finished reading (its gathers are behind it); after it, every rank has
+finished writing, before anyone reads. At stages 1-2, where the shared memory is the
+parameters themselves, the gathers that follow a step end with one more barrier, so that
+writing the parameters in place after `optimizer.step()` (clamping, an EMA swap) cannot
+race a peer still copying them. A barrier among ranks that arrive together costs
+microseconds (comm/shm.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,11 +69,11 @@ class HostShards:
         self.memory = HostMemory(group)
         self.barrier = HostBarrier(self.memory, current().timeout.total_seconds())
         self.me = self.memory.local_rank
-        self.stale = True  # shards may have been written since the last barrier
         # per group, each local rank's shard as this rank sees it
         self.shards = [self._share(g, stage) for g in groups]
         for g in groups:
             g.host = self
+        self.barrier.wait("ZeRO (shm): every rank's shards in host memory")
 
     def _share(self, g: FlatGroup, stage: int) -> list[torch.Tensor]:
         """Move `g`'s shared part into host memory; every rank's shard of it, mapped."""
@@ -89,18 +92,33 @@ class HostShards:
         size = g.padded_numel // len(views)
         return [view[k * size:(k + 1) * size] for k, view in enumerate(views)]
 
-    def shards_changed(self) -> None:
-        """Some rank may have written its shards (a step, a load): the next gather waits
-        until every rank is done writing."""
-        self.stale = True
+    @contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """Around an in-place write to this rank's shards (collective over the host)."""
+        self.barrier.wait(f"ZeRO (shm): every rank done reading the shards, before {what}")
+        yield
+        self.barrier.wait(f"ZeRO (shm): every rank done with {what}, before the shards "
+                          "are read")
+
+    def done_reading(self) -> None:
+        """Stages 1-2, after the gathers that follow a step: the parameters may be written."""
+        self.barrier.wait("ZeRO (shm): every rank done gathering the stepped shards")
 
     def gather(self, g: FlatGroup) -> None:
         """Fill `g`'s full buffer with every rank's shard (its own already copied in)."""
-        if self.stale:
-            self.barrier.wait("ZeRO (shm): every rank of the host done writing its shards, "
-                              "before they are gathered")
-            self.stale = False
         size = g.padded_numel // len(self.shards[g.index])
         for k, shard in enumerate(self.shards[g.index]):
             if k != self.me:
                 g.flat[k * size:(k + 1) * size].copy_(shard)
+
+
+@contextmanager
+def writing_shards(groups: list[Any], what: str) -> Iterator[None]:
+    """Around an in-place write to ZeRO's shards (`groups`: FlatGroups; none for a model
+    without ZeRO): bracketed by host barriers where they are shared (algorithm="shm")."""
+    host = groups[0].host if groups else None
+    if host is None:
+        yield
+        return
+    with host.writing(what):
+        yield

@@ -17,6 +17,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
+from lockstep.sharding.hostshards import writing_shards
 from lockstep.sharding.pieces import PiecewiseStep, elementwise
 from lockstep.sharding.zero import FlatGroup, gather_all
 
@@ -140,12 +141,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
              ) -> None:
         if self.mirrored:
             self._keep_previous()
-        self.stepping.step(closure)
+        with writing_shards(self.groups, "the optimizer's step"):
+            self.stepping.step(closure)
         self.stepped = True
-        if self.groups and self.groups[0].host is not None:
-            self.groups[0].host.shards_changed()
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             self.gather_params("all-gather of the stepped parameters")
+            if self.groups and self.groups[0].host is not None:
+                self.groups[0].host.done_reading()
         if self.stage == 1:
             self._release_full_gradients()
 

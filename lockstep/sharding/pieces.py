@@ -43,29 +43,42 @@ class PiecewiseStep:
                  piece_numel: int = PIECE_NUMEL) -> None:
         self.inner, self.make, self.piece_numel = inner, make, piece_numel
         self.stepper: torch.optim.Optimizer | None = None  # made at the first split step
+        self.last_pieces = 0  # how many pieces the last split step stepped
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        split = self._split()
-        if split is None:
+        if not self._splittable():
             return self.inner.step(closure)
         loss = None
-        if closure is not None:  # as torch's step does: the closure recomputes gradients
+        if closure is not None:  # first, as torch's step does: it recomputes the gradients
             with torch.enable_grad():
                 loss = closure()
+        split = self._split()
+        if split is None:
+            self.inner.step()
+            return loss
         stepper = self._stepper(split)
-        stepper.step()
-        self._write_back_counters(split)
+        self.last_pieces = len(stepper.param_groups[0]["params"])
+        try:
+            stepper.step()
+            self._write_back_counters(split)
+        finally:  # nothing of this step's views outlives it: not a state a load replaced,
+            stepper.param_groups[0]["params"] = []  # nor stage 1's freed gradients
+            stepper.state = defaultdict(dict)
         return loss
+
+    def _splittable(self) -> bool:
+        """Whether this optimizer may be stepped in pieces at all: torch's element-wise
+        ones, in their for-loop implementation, on a CPU (on a GPU torch picks foreach)."""
+        if type(self.inner) not in ELEMENTWISE or len(self.inner.param_groups) != 1:
+            return False
+        group = self.inner.param_groups[0]
+        return not group.get("foreach") and not group.get("fused") and \
+            all(p.device.type == "cpu" for p in group["params"])
 
     def _split(self) -> dict[nn.Parameter, Pieces] | None:
         """Each parameter's pieces, or None where stepping whole is as fast or the only
-        right way: another kind of optimizer, foreach/fused, state not made yet (the first
-        step makes it), or nothing large."""
-        if type(self.inner) not in ELEMENTWISE or len(self.inner.param_groups) != 1:
-            return None
+        right way: state not made yet (the first step makes it), or nothing large."""
         group = self.inner.param_groups[0]
-        if group.get("foreach") or group.get("fused"):
-            return None
         params = [p for p in group["params"] if p.grad is not None]
         if not any(p.numel() > self.piece_numel for p in params) or \
                 not all(self.inner.state.get(p) for p in params):

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from lockstep import comm
 from lockstep.logs import get_logger
 from lockstep.sharding import reshard
+from lockstep.sharding.hostshards import writing_shards
 from lockstep.training import checkpoint_files, rank_state
 from lockstep.training.checkpoint_check import (
     MANIFEST,
@@ -362,7 +363,8 @@ def load(folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     if extra:
         live["extra"] = extra  # loaded in place
     bundle = rank_state.for_files(live, own_optimizer, rank_state.saved_world_size(folder))
-    failure, state = _read_into(folder, bundle)
+    with writing_shards(getattr(model, "zero_groups", []), "loading a checkpoint"):
+        failure, state = _read_into(folder, bundle)
     failed = [f"rank {r}: {f}" for r, f in enumerate(
         comm.all_gather_object(failure, "checkpoint: loading")) if f is not None]
     if failed:
