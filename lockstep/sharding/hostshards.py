@@ -43,12 +43,14 @@ def check_one_host(group: comm.Group, stage: int, wire: str, mirror: bool) -> No
     reason = shm_available()
     if reason is not None:
         raise ValueError(f"rank {rank}: ZeRO with algorithm='shm': {reason}")
-    if group is not None or world.num_hosts > 1:
-        raise ValueError(
-            f"rank {rank}: ZeRO with algorithm='shm' shares shards through one host's memory, "
-            f"and this job spans {world.num_hosts} host(s)"
-            + ("" if group is None else " (or a process group of its own)")
-            + "; use the default algorithm across hosts")
+    if comm.size_of(group) != world.world_size:
+        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards among all "
+                         "the job's ranks on one host, not a process group of some of them; "
+                         "use the default algorithm with group=")
+    if world.num_hosts > 1:
+        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards through one "
+                         f"host's memory, and this job spans {world.num_hosts} hosts; use the "
+                         "default algorithm across hosts")
     if world.device.type != "cpu":
         raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards in host "
                          f"memory, and this job's parameters live on {world.device.type}; "
