@@ -73,7 +73,8 @@ def live_bytes() -> int:
             obj = obj._local_tensor
         s = obj.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
-    return sum(n for ptr, n in storages.items() if ptr not in peers_memory())
+    peers = peers_memory()
+    return sum(n for ptr, n in storages.items() if ptr not in peers)
 
 
 def peers_memory() -> set[int]:

@@ -73,7 +73,7 @@ def test_every_stage_trains_like_one_process(world: World, stage: int) -> None:
 def test_shards_gathered_through_host_memory_train_like_one_process(world: World,
                                                                     stage: int) -> None:
     """algorithm="shm": every gather a copy from the host's shared shards, read only once
-    every rank has written them (a step, the first forward's barrier)."""
+    every rank has written them (the step is bracketed by host barriers)."""
     for optimizer, accumulate in (("adamw", 1), ("sgd", 2)):
         results = world.run(train_stage, "transformer", stage, optimizer, accumulate,
                             None, "shm")

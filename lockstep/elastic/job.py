@@ -290,10 +290,10 @@ class Elastic:
         """Close the old group's connections before the quorum, so a peer still blocked in
         a collective with this rank fails at once rather than at its timeout. Nothing may
         keep the group alive: the wrapper's own groups go with it, and the failed work
-        with the error's frames (failures.forget_frames). A full garbage collection takes
-        a tenth of a second or more with torch loaded, most of a joiner's wait: a planned
-        regroup (nothing failed) collects the young generations, and the old ones only if
-        the wrapper is still alive after."""
+        with the error's frames (failures.forget_frames). A garbage collection takes a
+        tenth of a second or more with torch loaded, most of a joiner's wait: a planned
+        regroup (nothing failed) collects only if the wrapper outlived its last
+        reference."""
         if drop_wrapper and isinstance(self.model, ShardedDataParallel):
             assert isinstance(self.optimizer, ZeroOptimizer)
             self._held = recovery.hold(self.model.zero_groups, self.optimizer,
@@ -308,11 +308,9 @@ class Elastic:
             dropped, self.model = weakref.ref(self.model), None
             self.drift = None  # it watches that wrapper (_rewrap makes the next one's)
         if failed or (dropped is not None and dropped() is not None):
-            gc.collect(2 if failed else 1)  # frames and works in reference cycles
+            gc.collect()  # frames and works in reference cycles
         if dropped is not None and dropped() is not None:
-            gc.collect()
-            if dropped() is not None:
-                still_held(dropped(), self.world.rank)
+            still_held(dropped(), self.world.rank)
         reporter.stop()  # no progress or watchdog store call while the group goes
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -168,9 +168,10 @@ class Coordinator:
         if at is None and not self.heartbeat.lost:
             try:
                 if self.heartbeat.joiners_for == membership.epoch:  # rank 0: stop after
-                    align = self.heartbeat.align                    # the next step
-                    self.store.compare_set(key, "", str(math.ceil((step + 1) / align) * align))
-                if self.store.check([key]):
+                    align = self.heartbeat.align                    # the next step (or
+                    at = int(self.store.compare_set(             # what is set already)
+                        key, "", str(math.ceil((step + 1) / align) * align)))
+                elif self.store.check([key]):
                     at = int(self.store.get(key))
             except EtcdUnavailable:  # unreachable for now: no joiner is let in meanwhile
                 return False

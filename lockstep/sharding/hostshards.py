@@ -114,11 +114,17 @@ class HostShards:
                 g.flat[k * size:(k + 1) * size].copy_(shard)
 
 
+def shared_by(groups: list[Any]) -> HostShards | None:
+    """The HostShards that `groups` (FlatGroups; none for a model without ZeRO) are
+    gathered from, or None where they travel through the backend."""
+    return groups[0].host if groups else None
+
+
 @contextmanager
 def writing_shards(groups: list[Any], what: str) -> Iterator[None]:
-    """Around an in-place write to ZeRO's shards (`groups`: FlatGroups; none for a model
-    without ZeRO): bracketed by host barriers where they are shared (algorithm="shm")."""
-    host = groups[0].host if groups else None
+    """Around an in-place write to ZeRO's shards: bracketed by host barriers where they are
+    shared (algorithm="shm")."""
+    host = shared_by(groups)
     if host is None:
         yield
         return

@@ -17,7 +17,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
-from lockstep.sharding.hostshards import writing_shards
+from lockstep.sharding.hostshards import shared_by, writing_shards
 from lockstep.sharding.pieces import PiecewiseStep, elementwise
 from lockstep.sharding.zero import FlatGroup, gather_all
 
@@ -146,8 +146,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stepped = True
         if self.stage < 3:  # parameters are whole on every rank: refresh them from shards
             self.gather_params("all-gather of the stepped parameters")
-            if self.groups and self.groups[0].host is not None:
-                self.groups[0].host.done_reading()
         if self.stage == 1:
             self._release_full_gradients()
 
@@ -217,6 +215,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Stages 1-2: make every rank's whole parameters from the shards."""
         with timeline.span(f"{what} (ZeRO-{self.stage})", "comm"):
             gather_all(self.groups, what, self.group)
+        if (host := shared_by(self.groups)) is not None:  # the parameters may be written
+            host.done_reading()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()
