@@ -23,13 +23,11 @@ a warning and the previous valid one is used.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import uuid
@@ -37,7 +35,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -57,6 +54,7 @@ from lockstep.training.checkpoint_check import (
     read_json,
     verify,
 )
+from lockstep.training.rng import rng_state, set_rng_state
 from lockstep.training.tensorfile import FormatError
 
 log = get_logger(__name__)
@@ -70,40 +68,6 @@ _TEMPORARY = re.compile(r"\.tmp-step-\d{8,}-[0-9a-f]{32}")  # the only names rem
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, or no valid checkpoint could be loaded."""
-
-
-# ---- RNG state as JSON ---------------------------------------------------------------------
-
-
-def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
-        "python": _jsonable(random.getstate()),
-    }
-    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-    state["numpy"] = [kind, np.asarray(keys).tolist(), pos, has_gauss, gauss]
-    if torch.cuda.is_available():
-        state["cuda"] = [base64.b64encode(s.numpy().tobytes()).decode()
-                         for s in torch.cuda.get_rng_state_all()]
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch_bytes = base64.b64decode(state["torch"])
-    torch.set_rng_state(torch.frombuffer(bytearray(torch_bytes), dtype=torch.uint8))
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(base64.b64decode(s)),
-                                                       dtype=torch.uint8) for s in state["cuda"]])
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_jsonable(v) for v in value]
-    return value
 
 
 def _write_manifest(folder: Path) -> None:
