@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,10 @@ from lockstep.testing import World
 # Worker processes unpickle check functions by module name (tests.test_x): make the
 # repository root importable for them.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# No training.png at the end of each of the suite's few hundred Trainer runs (up to a second
+# each, on rank 0, which the other ranks wait for): the tests of the picture ask for it.
+os.environ.setdefault("LOCKSTEP_PLOT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -112,6 +112,24 @@ def test_the_png_has_its_titled_panels_and_the_config(tmp_path: Path) -> None:
     assert plots.plot_run(tmp_path / "run") == figure and figure.stat().st_size > small
 
 
+def test_lockstep_plot_0_leaves_the_picture_out(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib", reason="the PNG is matplotlib's; 'make setup' installs it")
+    from lockstep.training import plots
+
+    log = RunLog(tmp_path, True, 20, 0, progress=False,
+                 config={"global_batch_size": 64, "lr": 0.003, "seed": 0, "mode": "sync"},
+                 trackers=())
+    log.record("train", 1, loss=1.0)
+    log.close()
+    monkeypatch.setenv(plots.ENV, "0")
+    plots.plot_at_end(tmp_path)
+    assert not (tmp_path / "training.png").exists()
+    monkeypatch.setenv(plots.ENV, "1")
+    plots.plot_at_end(tmp_path)
+    assert (tmp_path / "training.png").stat().st_size > 10_000
+
+
 def test_mlflow_logs_the_config_and_metrics_offline_to_a_file_store(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mlflow = pytest.importorskip(

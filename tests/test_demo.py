@@ -1,5 +1,6 @@
 """`lockstep demo`, as a new user runs it, shortened to one epoch."""
 
+import os
 import re
 import subprocess
 import sys
@@ -18,7 +19,8 @@ def test_demo_trains_at_1_and_2_workers_and_reports(tmp_path: Path) -> None:
     (out / "run-1/metrics.jsonl").write_text("earlier\n")
     result = subprocess.run([str(Path(sys.executable).parent / "lockstep"), "demo",
                              "--epochs", "1", "--out", str(out)],
-                            capture_output=True, text=True, timeout=240)
+                            capture_output=True, text=True, timeout=240,
+                            env={**os.environ, "LOCKSTEP_PLOT": "1"})  # (conftest's is 0)
     assert result.returncode == 0, result.stderr[-3000:]
     accuracy = float(re.search(r"^test accuracy: (0\.\d\d)$", result.stdout, re.M).group(1))
     assert accuracy >= 0.85  # one epoch of real MNIST digits

@@ -172,21 +172,23 @@ def test_a_joiner_that_differs_from_the_job_is_refused_and_the_job_goes_on(
 
 def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
         tmp_path: Path) -> None:
-    """SIGSTOP of a worker for 12 s, twice (the collective timeout is 4 s: the others stop
-    waiting for it after 4 + 5.5 s): each time the others go on without it; woken, it finds
+    """SIGSTOP of a worker for 10 s, twice (the collective timeout is 3 s: the others stop
+    waiting for it after 3 + 4.5 s): each time the others go on without it; woken, it finds
     itself left out, joins again by itself and trains the step the others are at. Before,
     it joined again across an epoch boundary and ran that epoch's evaluation alone ('desync
     at collective #8: ... rank 2 issued "trainer: evaluation sums"'), and the job crashed in
     Gloo; and the second time it was never let in (still marked as admitted from the
     first). The weights are one process's."""
-    steps, args = 600, ["--steps", "600", "--pace", "0.05", "--collective-timeout", "4"]
+    # 350 paced steps outlast both stops: at most 20 steps a second, and about 26 s to the
+    # second return, 15 s of it with the others waiting
+    steps, args = 350, ["--steps", "350", "--pace", "0.05", "--collective-timeout", "3"]
     job = _launch(tmp_path, free_port(), 3, args, "launcher.log", JOB)
     try:
         victim = _wait_for(tmp_path, lambda r: r["attempt"] >= 10 and r["rank"] == 1, 90,
                            "step 10")[0]
         for epoch in (1, 3):  # membership epochs: left out at 1, back at 2, out at 3, back
             os.kill(victim["pid"], signal.SIGSTOP)
-            time.sleep(12)
+            time.sleep(10)
             os.kill(victim["pid"], signal.SIGCONT)
             _wait_for(tmp_path, lambda r, e=epoch: r["worker"] == victim["worker"]
                       and r["epoch"] > e, 90, f"worker {victim['worker']} to be back")

@@ -35,7 +35,7 @@ from lockstep.training.batching import plan_batches
 from lockstep.training.config import TrainConfig
 from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
 from lockstep.training.feed import micro_batches, steps_per_epoch
-from lockstep.training.runlog import RunLog, plot_run
+from lockstep.training.runlog import RunLog, plot_at_end
 from lockstep.training.sampler import ShardedSampler
 
 
@@ -91,7 +91,7 @@ class AsyncTrainer:
         finally:
             runlog.close()
         if world.rank == 1:
-            plot_run(self.run_dir)
+            plot_at_end(self.run_dir)
         return {"steps": self.total_steps,
                 "samples_per_s": totals[0].item() / (totals[1].item() / world.world_size),
                 "test_loss": metrics.get("loss"), "test_accuracy": metrics.get("accuracy"),

@@ -10,6 +10,7 @@ the plot is skipped and the user told once.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ _SHOWN = ("global_batch_size", "max_batch_per_rank", "epochs", "max_steps", "lr"
           "base_batch_size", "warmup_steps", "decay", "grad_clip_norm", "precision", "mode",
           "zero", "compress", "algorithm", "seed")
 """Config fields worth a place in the title (all of them are in config.json)."""
+
+ENV = "LOCKSTEP_PLOT"
+"""Set to 0, the Trainer draws no training.png (matplotlib takes up to a second at the end
+of a run; the test suite, which runs hundreds, sets it)."""
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -46,6 +51,12 @@ def config_line(run_dir: Path) -> str:
     return ", ".join(f"{k}={config[k]}" for k in _SHOWN
                      if config.get(k) not in (None, "none", "native", "sync", "fp32", 0)
                      or k in ("global_batch_size", "lr", "seed"))
+
+
+def plot_at_end(run_dir: Path) -> None:
+    """The Trainer's picture of the run it finished, unless LOCKSTEP_PLOT=0."""
+    if os.environ.get(ENV, "1") != "0":
+        plot_run(run_dir)
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:

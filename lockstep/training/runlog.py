@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.logs import get_logger
-from lockstep.training.plots import plot_run, read_metrics
+from lockstep.training.plots import plot_at_end, plot_run, read_metrics
 from lockstep.training.trackers import Tracker, open_trackers
 
 log = get_logger(__name__)
 CONFIG = "config.json"
 
-__all__ = ["CONFIG", "RunLog", "Window", "plot_run", "read_metrics", "recorded_eval"]
+__all__ = ["CONFIG", "RunLog", "Window", "plot_at_end", "plot_run", "read_metrics", "recorded_eval"]
 
 
 def recorded_eval(run_dir: Path, step: int) -> dict[str, Any] | None:

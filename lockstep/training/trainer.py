@@ -48,7 +48,7 @@ from lockstep.training.evaluation import LossFn, evaluate, flat_cross_entropy
 from lockstep.training.feed import Batch, MicroBatch, Shares, micro_batches, steps_per_epoch
 from lockstep.training.protocols import Replica, Survival
 from lockstep.training.resume import Checkpoints, RunState
-from lockstep.training.runlog import RunLog, Window, plot_run, recorded_eval
+from lockstep.training.runlog import RunLog, Window, plot_at_end, recorded_eval
 from lockstep.training.sampler import ShardedSampler
 from lockstep.training.survival import CarriedRunState, Steady, elastic_survival
 
@@ -182,7 +182,7 @@ class Trainer:
             timeline.activate(None)
             self.runlog.close()
         if self.world.is_main:
-            plot_run(self.run_dir)
+            plot_at_end(self.run_dir)
         summary = self._summary(samples / seconds if samples else 0.0, metrics)
         self.survival.finish()
         return summary
