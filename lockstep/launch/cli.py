@@ -13,9 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lockstep
-from lockstep.comm import timeline
-from lockstep.elastic import etcd
-from lockstep.launch.run import LaunchSpec, run
+from lockstep.launch.run import LaunchSpec, refused, run
 
 
 def _whole(text: str) -> int:
@@ -144,14 +142,19 @@ def main(argv: list[str] | None = None) -> int:
                      "of the job, the same on every host)")
     if args.command == "advise":
         return _advise(args)
-    if (args.rdzv_endpoint or "").startswith(etcd.SCHEME) and not args.elastic:
+    if (args.rdzv_endpoint or "").startswith("etcd://") and not args.elastic:
         run_parser.error("an etcd:// endpoint holds a fault-tolerant job's store: add --elastic")
+    spec = _spec(args, args.max_restarts)
+    if refused(spec):  # (torch is not loaded yet: told at once)
+        return 2
+    from lockstep.comm import timeline
+
     launch = run
     if args.elastic:
         from lockstep.launch.elastic import run_elastic as launch
     trace = Path(args.timeline).resolve() if args.timeline else None
     with _environment(timeline.ENV, str(trace) if trace else None):
-        code = launch(_spec(args, args.max_restarts))
+        code = launch(spec)
     if code == 0 and trace is not None and not trace.exists():
         print(f"lockstep run: no timeline was written to {trace}: the Trainer records one "
               "while it trains (not when its run_dir holds a finished run); a script with "

@@ -29,7 +29,7 @@ from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
 from lockstep.elastic.heartbeat import Liveness
 from lockstep.elastic.store import PREFIX
-from lockstep.launch.run import LaunchSpec, check_target, threads_per_worker
+from lockstep.launch.run import LaunchSpec, refused, threads_per_worker
 
 _JOB_KEY = PREFIX + "job"
 _SAY = "lockstep run --elastic:"
@@ -39,9 +39,7 @@ _TOGETHER_S = 0.5  # workers that exit this close together are reported as one e
 def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
     """Launch this host's workers of an elastic job and wait. Returns 0 if the job
     finished (on whichever workers were left), else the first failed worker's code."""
-    problem = check_target(spec)
-    if problem is not None:
-        print(f"lockstep run: {problem}", file=sys.stderr)
+    if refused(spec):
         return 2
     endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     lease: etcd.LauncherLease | None = None

@@ -20,7 +20,7 @@ import traceback
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-RECORD = "lockstep"  # the key, inside torchrun's extraInfo, of what the launcher reads
+from lockstep.launch.run import RECORD
 
 
 def _run(kind: str, target: str, args: list[str]) -> None:

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lockstep.launch.entry import RECORD
 from lockstep.training import jobnote
+
+RECORD = "lockstep"  # the key, inside torchrun's extraInfo, of what a worker's entry records
 
 
 @dataclass
@@ -84,14 +85,12 @@ def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:
 
 def run(spec: LaunchSpec) -> int:
     """Launch and wait. Returns 0, or the failed worker's exit code after printing why."""
+    if refused(spec):
+        return 2
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    problem = check_target(spec)
-    if problem is not None:
-        print(f"lockstep run: {problem}", file=sys.stderr)
-        return 2
     # torchrun's own process-management log repeats what the summary below says, better.
     logging.getLogger("torch.distributed.elastic.multiprocessing").setLevel(logging.CRITICAL)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.run"):
@@ -286,6 +285,15 @@ def exit_status(failed: Any) -> int:
     if _traceback(failure) is not None or failure.exitcode <= 0:
         return 1
     return int(failure.exitcode)
+
+
+def refused(spec: LaunchSpec) -> bool:
+    """Whether the target cannot run, said before any worker starts -- and before torch
+    loads (seconds), so a mistyped path is told at once."""
+    problem = check_target(spec)
+    if problem is not None:
+        print(f"lockstep run: {problem}", file=sys.stderr)
+    return problem is not None
 
 
 def check_target(spec: LaunchSpec) -> str | None:
