@@ -101,3 +101,23 @@ def test_per_rank_state_resumes_at_another_world_size(world2: World, world3: Wor
     said = [m for m in results[0][1] if "was written by 2 rank(s) and this run has 3" in m]
     expected = LOST[mode]
     assert [expected in m for m in said] == ([True] if expected else []), said
+
+
+def warnings_writing_own_state(folder: str) -> list[str]:
+    """A rank's own tensors go to its file as torch's ShardedTensor (rank_state.py), whose
+    `size()` warns that ShardedTensor is deprecated: once per rank in the user's output."""
+    import warnings
+
+    from lockstep.training import checkpoint_files, rank_state
+
+    lockstep.init()
+    rank = lockstep.comm.rank_of()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint_files.write_rank(Path(folder) / f"rank{rank}.bin",
+                                    {"own": rank_state._own(torch.ones(6) * rank)}, rank, 2)
+    return [str(w.message) for w in caught]
+
+
+def test_writing_a_ranks_own_state_warns_nothing(world2: World, tmp_path: Path) -> None:
+    assert world2.run(warnings_writing_own_state, str(tmp_path)) == [[], []]

@@ -77,7 +77,9 @@ def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int,
                     raise TypeError(f"checkpoint: {leaf.key} is sharded other than as one "
                                     "1-D piece per rank (lockstep.sharding.reshard's layout)")
                 tensors[leaf.key] = shard.tensor
-                pieces[leaf.key] = [list(leaf.value.size()), shard.metadata.shard_offsets[0]]
+                # (the metadata's size: ShardedTensor.size() warns it is deprecated)
+                pieces[leaf.key] = [list(leaf.value.metadata().size),
+                                    shard.metadata.shard_offsets[0]]
         elif isinstance(leaf.value, torch.Tensor):
             if rank == 0:
                 tensors[leaf.key], pieces[leaf.key] = leaf.value, [list(leaf.value.shape), 0]
@@ -252,7 +254,7 @@ def fill(bundle: dict[str, Any], found: Catalog) -> None:
         for leaf in list(leaves(bundle)):
             if isinstance(leaf.value, ShardedTensor):
                 for shard in leaf.value.local_shards():
-                    _fill(found, leaf.key, tuple(leaf.value.size()),
+                    _fill(found, leaf.key, tuple(leaf.value.metadata().size),
                           shard.metadata.shard_offsets[0], shard.tensor, open_file)
             elif isinstance(leaf.value, torch.Tensor):
                 _fill(found, leaf.key, tuple(leaf.value.shape), 0, leaf.value, open_file)
