@@ -152,7 +152,7 @@ def expected(model: nn.Module, optimizer: torch.optim.Optimizer,
     tensors = {}
     for leaf in checkpoint_files.leaves(bundle):
         if isinstance(leaf.value, torch.Tensor):  # a ShardedTensor too: its global size
-            tensors[leaf.key] = (tuple(leaf.value.size()), leaf.value.dtype)
+            tensors[leaf.key] = checkpoint_files.whole_shape(leaf.value)
     shapes = {key: tuple(shape) for key, shape in _shapes(model).items()}
     return Expected(tensors, shapes, state)
 

@@ -77,8 +77,7 @@ def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int,
                     raise TypeError(f"checkpoint: {leaf.key} is sharded other than as one "
                                     "1-D piece per rank (lockstep.sharding.reshard's layout)")
                 tensors[leaf.key] = shard.tensor
-                # (the metadata's size: ShardedTensor.size() warns it is deprecated)
-                pieces[leaf.key] = [list(leaf.value.metadata().size),
+                pieces[leaf.key] = [list(whole_shape(leaf.value)[0]),
                                     shard.metadata.shard_offsets[0]]
         elif isinstance(leaf.value, torch.Tensor):
             if rank == 0:
@@ -90,6 +89,15 @@ def write_rank(path: Path, bundle: dict[str, Any], rank: int, world_size: int,
         metadata.update({_VALUES: json.dumps(values), _RANKS: str(world_size),
                          _SHAPES: json.dumps(shapes or {})})
     tensorfile.write(path, tensors, metadata)
+
+
+def whole_shape(value: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """A tensor's shape and dtype; a ShardedTensor's whole ones, read from its metadata (its
+    .size() and .dtype print torch's "we are deprecating ShardedTensor" FutureWarning)."""
+    if isinstance(value, ShardedTensor):
+        meta = value.metadata()
+        return tuple(meta.size), meta.tensor_properties.dtype
+    return tuple(value.shape), value.dtype
 
 
 def _plain(key: str, value: Any) -> Any:
@@ -254,7 +262,7 @@ def fill(bundle: dict[str, Any], found: Catalog) -> None:
         for leaf in list(leaves(bundle)):
             if isinstance(leaf.value, ShardedTensor):
                 for shard in leaf.value.local_shards():
-                    _fill(found, leaf.key, tuple(leaf.value.metadata().size),
+                    _fill(found, leaf.key, whole_shape(leaf.value)[0],
                           shard.metadata.shard_offsets[0], shard.tensor, open_file)
             elif isinstance(leaf.value, torch.Tensor):
                 _fill(found, leaf.key, tuple(leaf.value.shape), 0, leaf.value, open_file)
