@@ -164,8 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"weights fingerprint: {multi['fingerprint']}")
     print("  (repeats run after run on this machine; another CPU, thread count or torch build "
           "rounds\n  differently and gives another -- compare the two runs above instead)")
-    tensorboard = ", TensorBoard events" if (Path(multi["dir"]) / "tensorboard").exists() else ""  # type: ignore[arg-type]
-    print(f"metrics.jsonl{tensorboard} and training.png in {multi['dir']}")
+    folder = Path(multi["dir"])  # type: ignore[arg-type]
+    written = ["metrics.jsonl"] + [name for name, file in (
+        ("TensorBoard events", "tensorboard"), ("training.png", "training.png"))
+        if (folder / file).exists()]  # (matplotlib or tensorboard missing, LOCKSTEP_PLOT=0)
+    print(f"{', '.join(written[:-1])} and {written[-1]} in {folder}" if len(written) > 1
+          else f"metrics.jsonl in {folder}")
     print(f"test accuracy: {multi['test_accuracy']:.2f}")
     print(f"({time.perf_counter() - started:.0f}s in all)")
     return 0
