@@ -82,6 +82,24 @@ def test_a_missing_optional_piece_is_reported_once(tmp_path: Path,
     assert not (tmp_path / "run0/tensorboard").exists()
 
 
+def test_a_tensorboard_that_does_not_import_is_reported_not_fatal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed (found) but broken: it was on by default and crashed rank 0's fit()."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lockstep.training.optional").addHandler(handler)
+    monkeypatch.setattr(optional, "_reported", set())
+    monkeypatch.setattr(trackers, "available", lambda module: True)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the import fails
+    try:
+        assert trackers.open_trackers(("tensorboard",), tmp_path, {}) == []
+    finally:
+        logging.getLogger("lockstep.training.optional").removeHandler(handler)
+    assert len(records) == 1 and records[0].startswith(
+        "skipped tensorboard logging: it is installed but does not import"), records
+
+
 def test_the_png_has_its_titled_panels_and_the_config(tmp_path: Path) -> None:
     """Four panels; six for a run that recorded a step timeline (its attribution)."""
     pytest.importorskip("matplotlib", reason="the PNG is matplotlib's; 'make setup' installs it")

@@ -53,7 +53,12 @@ def open_trackers(names: tuple[str, ...] | list[str], run_dir: Path,
         if not available(MODULE[name]):
             report_missing(f"{name} logging", INSTALL[name])
             continue
-        opened.append(_OPENERS[name](run_dir, config))
+        try:
+            opened.append(_OPENERS[name](run_dir, config))
+        except ImportError as error:  # installed, yet broken
+            if name != "tensorboard":  # asked for by name: the user sees why it failed
+                raise
+            report_missing(f"{name} logging", f"it is installed but does not import ({error})")
     return opened
 
 
