@@ -89,7 +89,8 @@ def run_script(name: str, wrapper: str, quick: bool, work: Path,
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DROPIN=wrapper, DROPIN_OUT=str(out))
     result = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2",
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", "2",  # (its logs: not in /tmp)
+         f"--log-dir={work / 'torchrun-logs'}",
          str(ROOT / "examples" / "ddp_dropin" / script.file), *args],
         cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     # torch's DDP itself, at exit, now and then dies with SIGABRT in its Gloo teardown

@@ -63,7 +63,9 @@ SCRIPT = textwrap.dedent("""
 def launch(script: Path, library: str, situation: str) -> list[tuple[float, str]]:
     """Run 3 workers; every output line with the seconds since worker 2 stalled."""
     bin_dir = Path(sys.executable).parent
-    argv = ([str(bin_dir / "torchrun"), "--nproc-per-node=3", "--standalone"]
+    # (torchrun's log folder beside the script: by default it leaves a torchelastic_* in /tmp)
+    argv = ([str(bin_dir / "torchrun"), "--nproc-per-node=3", "--standalone",
+             f"--log-dir={script.parent / 'torchrun-logs'}"]
             if library == "ddp" else [str(bin_dir / "lockstep"), "run", "-n", "3"])
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env.update(SITUATION=situation, LIBRARY=library, OMP_NUM_THREADS="1")

@@ -93,6 +93,7 @@ def test_accelerate_with_locksteps_wrapper_takes_ddps_steps(tmp_path: Path) -> N
     for wrapper in ("ddp", "lockstep"):
         out = tmp_path / f"{wrapper}.json"
         run_example([torchrun, "--standalone", "--nproc-per-node", "2",
+                     f"--log-dir={tmp_path / 'torchrun-logs'}",  # (not a folder in /tmp)
                      str(ROOT / "examples" / "accelerate_mnist.py"), "--wrapper", wrapper,
                      "--steps", "30", "--out", str(out)], tmp_path,
                     ACCELERATE_USE_CPU="1")

@@ -98,7 +98,8 @@ def test_a_worker_that_exits_is_named_with_its_exit_code(script: Path) -> None:
 
 
 def test_the_same_script_runs_under_plain_torchrun(script: Path) -> None:
-    result = launch(str(BIN / "torchrun"), "--nproc-per-node=3", "--standalone", str(script))
+    result = launch(str(BIN / "torchrun"), "--nproc-per-node=3", "--standalone",
+                    f"--log-dir={script.parent / 'torchrun-logs'}", str(script))  # (not /tmp)
     assert result.returncode == 0, result.stderr
     assert sorted(line.split(" threads")[0] for line in records(result.stdout)) == [
         f"rank {r}/3 grad 3.00" for r in range(3)]
