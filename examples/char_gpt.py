@@ -31,17 +31,21 @@ parser.add_argument("--out", default=None,
 configfile.add_arguments(parser)  # --config FILE, --set trainer.FIELD=VALUE
 args = parser.parse_args()
 
-world = lockstep.init()
-train_set, test_set = kjv_chars(block_size=args.block_size)
 config = lockstep.TrainConfig(global_batch_size=args.global_batch, max_steps=args.max_steps,
                               lr=args.lr, warmup_steps=50, decay="cosine",
                               grad_clip_norm=1.0,
                               checkpoint=lockstep.CheckpointConfig(every_steps=200),
                               eval_every_steps=100, run_dir="runs/char_gpt",
                               log_every_steps=20)
-config = configfile.configure(config, args.config, args.set)  # file, then each --set
+try:  # before the world starts: a mistyped --set is a usage error, not a traceback
+    config = configfile.configure(config, args.config, args.set)  # file, then each --set
+except configfile.ConfigError as error:
+    parser.error(str(error))
 if args.out is not None:
     config.run_dir = args.out
+
+world = lockstep.init()
+train_set, test_set = kjv_chars(block_size=args.block_size)
 
 
 def build_model() -> CharGPT:  # the Trainer builds it after seeding with config.seed
