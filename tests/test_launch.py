@@ -97,6 +97,18 @@ def test_a_worker_that_exits_is_named_with_its_exit_code(script: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_worker_that_finished_early_is_named_not_the_one_left_waiting(script: Path) -> None:
+    """Rank 1 leaves after two steps with exit code 0 (as a rank that skipped a backward
+    does, one collective short): rank 0's collective loses its partner. The verdict named
+    only rank 0, which merely waited."""
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
+                    env={"CRASH_AT": "2", "EXIT_CODE": "0"})
+    assert result.returncode == 1, result.stderr
+    assert "lockstep run: worker rank 0 (local rank 0, pid" in result.stderr
+    assert "no worker failed on its own: rank(s) 1 had finished (exit code 0) while the " \
+           "others waited in a collective they never joined" in result.stderr
+
+
 def test_the_same_script_runs_under_plain_torchrun(script: Path) -> None:
     result = launch(str(BIN / "torchrun"), "--nproc-per-node=3", "--standalone",
                     f"--log-dir={script.parent / 'torchrun-logs'}", str(script))  # (not /tmp)

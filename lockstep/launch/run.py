@@ -106,7 +106,8 @@ def run(spec: LaunchSpec) -> int:
     try:
         torchrun.run(torchrun.parse_args(torchrun_argv(spec, logs)))
     except ChildFailedError as failed:
-        print(failure_summary(failed), file=sys.stderr)
+        alone = spec.nnodes in ("1", "1:1")  # (else other hosts' ranks are not seen here)
+        print(failure_summary(failed, spec.nproc if alone else None), file=sys.stderr)
         return exit_status(failed)
     except (KeyboardInterrupt, SignalException) as stop:
         print(interrupted(stop, jobnote.last_checkpoint(note)), file=sys.stderr, flush=True)
@@ -255,7 +256,9 @@ def _stall_story(failed: Any, culprit: int, waiter: int) -> tuple[str, str | Non
     return how, None if seen is None else f"what rank {waiter} saw:\n{seen.rstrip()}"
 
 
-def failure_summary(failed: Any) -> str:
+def failure_summary(failed: Any, nproc: int | None = None) -> str:
+    """What went wrong, for the user: the worker that failed first and why, and the others.
+    `nproc`: the job's workers, where they are all on this host."""
     rank, failure = root_cause(failed)
     traceback = _traceback(failure)
     # A worker that raised may still be SIGTERMed by torchrun while it exits, so its exit
@@ -266,6 +269,8 @@ def failure_summary(failed: Any) -> str:
         how, traceback = _stall_story(failed, *stalled)
     lines = [f"lockstep run: worker rank {rank} (local rank {failure.local_rank}, pid "
              f"{failure.pid}) {how}; the job was stopped."]
+    if stalled is None and (early := _finished_early(failed, nproc)) is not None:
+        lines.append(early)
     if traceback is not None:
         lines.append(traceback.rstrip())
     others = sorted(r for r in failed.failures if r != rank)
@@ -273,6 +278,21 @@ def failure_summary(failed: Any) -> str:
         lines.append("the other workers:")
         lines += [f"  rank {r}: {_outcome(failed.failures[r])}" for r in others]
     return "\n".join(lines)
+
+
+def _finished_early(failed: Any, nproc: int | None) -> str | None:
+    """Where every failure is a knock-on (a collective that lost its partner) and some
+    workers are not among them: those had exited cleanly, and the others were left waiting
+    in a collective they never joined."""
+    if nproc is None or not all(_is_knock_on(f) for f in failed.failures.values()):
+        return None
+    finished = [str(r) for r in range(nproc) if r not in failed.failures]
+    if not finished:
+        return None
+    return (f"no worker failed on its own: rank(s) {', '.join(finished)} had finished (exit "
+            "code 0) while the others waited in a collective they never joined -- they ran "
+            "fewer collectives (a skipped backward, fewer batches, a collective only some "
+            "ranks call; see the desync warning above, if any).")
 
 
 def exit_status(failed: Any) -> int:
