@@ -215,3 +215,22 @@ def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> Non
         live.bind(("127.0.0.1", port))
         live.listen()
         assert not _can_bind("127.0.0.1", port)
+
+
+def test_the_other_workers_that_ended_alike_are_one_line() -> None:
+    """A config error raised by every one of 8 workers read as 7 more copies of it."""
+    from types import SimpleNamespace
+
+    from lockstep.launch.run import _endings
+
+    def raised(text: str) -> SimpleNamespace:
+        return SimpleNamespace(message={"message": text}, exitcode=1)
+
+    failed = SimpleNamespace(failures={
+        **{r: raised("ValueError: bad global batch") for r in range(6)},
+        6: raised("CollectiveError: rank 6: lost rank 0"),
+        7: SimpleNamespace(message="Signals.SIGTERM", exitcode=-15)})
+    assert _endings(failed, list(range(1, 8)), "ValueError: bad global batch") == [
+        "  ranks 1, 2, 3, 4, 5: the same error",
+        "  rank 6: CollectiveError: rank 6: lost rank 0",
+        "  rank 7: stopped by the launcher"]

@@ -276,8 +276,18 @@ def failure_summary(failed: Any, nproc: int | None = None) -> str:
     others = sorted(r for r in failed.failures if r != rank)
     if others:
         lines.append("the other workers:")
-        lines += [f"  rank {r}: {_outcome(failed.failures[r])}" for r in others]
+        lines += _endings(failed, others, _outcome(failure))
     return "\n".join(lines)
+
+
+def _endings(failed: Any, ranks: list[int], first: str) -> list[str]:
+    """One line per distinct way the other workers ended, naming their ranks (a config
+    error raised on every one of 8 workers is one line, not 7)."""
+    endings: dict[str, list[str]] = {}
+    for r in ranks:
+        endings.setdefault(_outcome(failed.failures[r]), []).append(str(r))
+    return [f"  rank{'s' if len(who) > 1 else ''} {', '.join(who)}: "
+            f"{'the same error' if text == first else text}" for text, who in endings.items()]
 
 
 def _finished_early(failed: Any, nproc: int | None) -> str | None:
