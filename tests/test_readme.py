@@ -129,7 +129,7 @@ def check_lockstep(argv: list[str], monkeypatch: pytest.MonkeyPatch,
         return 0
 
     monkeypatch.setattr(cli, "run", launch)
-    monkeypatch.setattr(cli, "refused", lambda spec: False)  # (its train.py: check_script)
+    monkeypatch.setattr(cli, "refused", lambda *_: False)  # (its train.py: check_script)
     monkeypatch.setattr("lockstep.launch.elastic.run_elastic",
                         lambda spec: launched.append(spec) or 0)
     try:

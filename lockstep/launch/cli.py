@@ -173,6 +173,8 @@ def _advise(args: argparse.Namespace) -> int:
     """Launch the workers with the advisor asked for; say so if none answered (a script
     that never builds a Trainer). The advice goes to --json, or to a file of our own that
     only tells whether it came."""
+    if refused(_spec(args), "lockstep advise"):  # before the advisor loads torch
+        return 2
     from lockstep.advisor.advise import ENV
 
     with tempfile.TemporaryDirectory(prefix="lockstep-advise-") as scratch:

@@ -317,12 +317,12 @@ def exit_status(failed: Any) -> int:
     return int(failure.exitcode)
 
 
-def refused(spec: LaunchSpec) -> bool:
+def refused(spec: LaunchSpec, command: str = "lockstep run") -> bool:
     """Whether the target cannot run, said before any worker starts -- and before torch
     loads (seconds), so a mistyped path is told at once."""
     problem = check_target(spec)
     if problem is not None:
-        print(f"lockstep run: {problem}", file=sys.stderr)
+        print(f"{command}: {problem}", file=sys.stderr)
     return problem is not None
 
 
