@@ -127,7 +127,6 @@ class Heartbeat:
         self.membership, self.align = membership, max(1, align)
         self._wake.set()
 
-
     def grow_at(self, epoch: int) -> int | None:
         grow = self._grow
         return grow[1] if grow is not None and grow[0] == epoch else None
