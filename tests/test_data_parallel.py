@@ -456,3 +456,24 @@ def check_group_without_rank0() -> tuple[str, str]:
 def test_a_group_that_does_not_contain_rank0(world2: World) -> None:
     for wrapped, original in world2.run(check_group_without_rank0):
         assert wrapped == original  # the group's own rank 0 was the source
+
+
+def check_levelled_elsewhere() -> list[list[float]]:
+    """Each rank builds its own weights, then wraps them inside levelled_elsewhere() (as
+    lockstep.Elastic does once its hand-over makes the replicas level), then outside it."""
+    from lockstep.replication.consistency import levelled_elsewhere
+
+    world = lockstep.init()
+    torch.manual_seed(world.rank)
+    net = torch.nn.Linear(3, 2)
+    with levelled_elsewhere():
+        lockstep.DataParallel(net)
+    inside = net.weight.flatten().tolist()
+    lockstep.DataParallel(net)
+    return [inside, net.weight.flatten().tolist()]
+
+
+def test_a_wrapper_levelled_elsewhere_neither_checks_nor_broadcasts(world2: World) -> None:
+    (inside0, outside0), (inside1, outside1) = world2.run(check_levelled_elsewhere)
+    assert inside0 != inside1  # each rank's own weights, as built
+    assert outside0 == outside1 == inside0  # DDP's init_sync: rank 0's

@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -152,6 +153,53 @@ def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
         assert not rank0.grow_due(now, 35) and rank0.grow_due(now, 36)
     finally:
         rank0.leave()
+
+
+# One worker; a joiner asks, and rank 0's heartbeat vets it, while step 5 is under way. The
+# step's collective over the whole group is issued after that (a world of one sends no
+# gradients, so the step issues one of its own).
+JOINER_DURING_A_STEP = textwrap.dedent("""
+    import json, sys, time
+    import torch
+    import lockstep
+    from lockstep import comm
+    from lockstep.elastic.store import PREFIX
+
+    port = int(sys.argv[1])
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                       wait_for_workers=False)
+    jobs = torch.distributed.PrefixStore(PREFIX, store)
+    net = torch.nn.Linear(4, 1)
+    job = lockstep.Elastic(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                           address=f"127.0.0.1:{port}")
+
+    def train_step(model, step):
+        model(torch.ones(2, 4)).sum().backward()
+        if step == 5:
+            jobs.set("host/99", json.dumps(["elsewhere", 1]))
+            jobs.set("terms/99", jobs.get(f"terms/{job.coordinator.id}"))
+            jobs.set(f"joiner/{int(jobs.add('joiners', 1)) - 1}", "99")
+            while job.coordinator.heartbeat.joiners_for != job.membership.epoch:
+                time.sleep(0.005)
+        comm.all_reduce(torch.zeros(1), "the step's collective")
+
+    for _ in range(6):
+        job.run_step(train_step)
+    key = f"grow/{job.membership.epoch}"
+    print("stop at", jobs.get(key).decode() if jobs.check([key]) else None, flush=True)
+    job.finish()
+""")
+
+
+def test_rank_0_sets_the_stop_for_a_joiner_in_the_step_under_way() -> None:
+    """The stopping step is set just before rank 0 next issues a collective over the whole
+    group (no member can finish the step without it): a joiner vetted during step 5 is let
+    in after step 5, not after step 6 as when it was set only at step boundaries."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", JOINER_DURING_A_STEP, str(free_port())],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "stop at 6" in done.stdout, done.stdout + done.stderr
 
 
 def test_which_errors_mean_a_peer_is_gone() -> None:

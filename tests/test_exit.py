@@ -102,3 +102,35 @@ def test_exit_ends_the_threads_and_groups_of_wrappers_still_alive(tmp_path: Path
     assert len(found) == 2, done.stdout + done.stderr
     for left, world_only, own in found:  # not even the default group's: nothing holds it
         assert int(world_only) > 0 and int(left) == 0 and own == "[]", found
+
+
+# An elastic regroup lets go of the old group on a thread of its own: the group's Gloo
+# destructor waits for Gloo's threads (20-30 ms with 3 ranks), time the members stood still.
+RETIRED_GROUP = textwrap.dedent("""
+    import threading, weakref
+    import torch.distributed as dist
+    import lockstep
+    from lockstep.comm.world import retire_default_group
+
+    lockstep.init()
+    freed_on = []
+    weakref.finalize(dist.group.WORLD,
+                     lambda: freed_on.append(threading.current_thread().name))
+    retire_default_group()
+    print("initialized:", dist.is_initialized(), flush=True)
+    for thread in threading.enumerate():
+        if thread.name == "lockstep-group-reaper":
+            thread.join(30)
+    print("freed on:", freed_on, flush=True)
+""")
+
+
+def test_a_retired_group_is_freed_off_the_calling_thread_and_exit_is_clean() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-c", RETIRED_GROUP], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "terminate called" not in done.stderr
+    assert "initialized: False" in done.stdout, done.stdout
+    assert "freed on: ['lockstep-group-reaper']" in done.stdout, done.stdout

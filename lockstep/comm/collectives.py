@@ -7,8 +7,9 @@ into an error that names the rank, what it was waiting for, and who is behind.
 from __future__ import annotations
 
 import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -126,8 +127,31 @@ def _explain(what: str, error: BaseException, started: float,
 _POINT_TO_POINT = (dist.isend, dist.irecv)  # not numbered: ranks send different counts
 
 
+_before_world_collective: tuple[int, Callable[[], None]] | None = None
+
+
+def before_next_world_collective(thread: int, hook: Callable[[], None]) -> None:
+    """Run `hook` once, in thread `thread`, just before that thread next issues a
+    collective over the whole default group -- one no rank can get past before this one
+    has joined it (lockstep.Elastic's rank 0 sets the step at which its members stop for a
+    joiner there: the step under way, not the one after). May be called from any thread."""
+    global _before_world_collective
+    _before_world_collective = (thread, hook)
+
+
+def _run_armed_hook() -> None:
+    global _before_world_collective
+    armed = _before_world_collective
+    if armed is not None and armed[0] == threading.get_ident():
+        _before_world_collective = None
+        armed[1]()
+
+
 def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     partner = args[1] if fn in _POINT_TO_POINT else None
+    if _before_world_collective is not None and partner is None and \
+            kwargs.get("group") is None:
+        _run_armed_hook()
     record = ledger.issue(what, kwargs.get("group"), partner)
     started = time.monotonic()
     try:

@@ -12,6 +12,7 @@ import atexit
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +115,7 @@ class Heartbeat:
         self._grow: tuple[int, int] | None = None  # (epoch, step)
         self._joiners = -1  # the joiners' count rank 0 last vetted
         self.joiners_for: int | None = None  # the epoch for which admissible joiners wait
+        self.on_joiners: Callable[[], None] | None = None  # called when joiners_for is set
         self._stop = threading.Event()
         self._wake = threading.Event()  # a new membership (or stop): look again at once
         self._complained = False
@@ -193,3 +195,5 @@ class Heartbeat:
             self._grow = (m.epoch, int(self.store.get(key)))
         elif m.me == m.ids[0] and admissible_joiners(self.store, self.terms):
             self.joiners_for = m.epoch
+            if self.on_joiners is not None:
+                self.on_joiners()

@@ -17,7 +17,8 @@ What one step does (`run_step`):
 When a collective fails (a peer died: its sockets closed; or a timeout: a host vanished),
 the survivors discard the step's partial gradients, agree on the new membership through
 the store (quorum.py), form a new group (membership.py), bring any rank that missed the
-last step level from a peer (handover.py), and redo the step at the smaller world size.
+last step level from a peer (handover.py) -- regroup.py -- and redo the step at the
+smaller world size.
 At most the interrupted step is lost; a global batch is the same samples at any size.
 
 Under ZeRO (`wrap=lambda m: lockstep.shard(m, stage)`) each rank also keeps the next rank's
@@ -28,12 +29,10 @@ rebound to each membership's shards.
 
 from __future__ import annotations
 
-import gc
 import os
+import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -41,22 +40,20 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.comm import timeline
-from lockstep.comm.diagnostics import reporter
+from lockstep.comm.collectives import before_next_world_collective
 from lockstep.comm.topology import this_host
 from lockstep.comm.world import World, current
 from lockstep.elastic import rounds
 from lockstep.elastic.config import ENV_INITIAL, ElasticConfig
-from lockstep.elastic.failures import first_line, forget_frames, membership_failure, still_held
-from lockstep.elastic.handover import hand_over
-from lockstep.elastic.membership import Membership, describe, install, report
-from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
-from lockstep.elastic.store import job_address, store_gone
+from lockstep.elastic.failures import first_line, forget_frames, membership_failure
+from lockstep.elastic.membership import Membership
+from lockstep.elastic.quorum import Coordinator
+from lockstep.elastic.regroup import Regrouping
+from lockstep.elastic.store import job_address
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
 from lockstep.sharding import recovery
-from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.sharded import ShardedDataParallel, mirrored_shards
 
 log = get_logger(__name__)
 
@@ -73,7 +70,7 @@ def batch_slice(step: int, global_batch: int, rank: int, world_size: int) -> ran
     return range(lo, hi)
 
 
-class Elastic:
+class Elastic(Regrouping):
     """Drives a training loop through failures and joins (see the module docstring).
 
     Args:
@@ -133,6 +130,8 @@ class Elastic:
         self._rejoined = False  # the last regroup left this worker out; it joined again
         self._received = False  # this worker was brought level from a peer
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
+        self._training_thread = threading.get_ident()  # the one that calls run_step
+        self.coordinator.heartbeat.on_joiners = self._stop_for_joiners_soon
         started = time.monotonic()
         first = self.coordinator.enter()
         self._entering = True  # (a failure now interrupts this worker's entry, not a step)
@@ -157,6 +156,7 @@ class Elastic:
         (it stalled) joins again and trains the step they are at: `step` then advances by
         more than one."""
         self._target, value = self.step, None
+        self._training_thread = threading.get_ident()
         while self.step == self._target:
             failure: Exception | None = None
             try:
@@ -187,6 +187,21 @@ class Elastic:
         self._commit()
         self.completed_here = True
         return value
+
+    def _stop_for_joiners_soon(self) -> None:
+        """(Rank 0's heartbeat thread: admissible joiners wait.) The stopping step is set
+        by the training thread -- at its next step boundary (Coordinator.grow_due), or
+        sooner: just before it next issues a collective over the whole group, as no member
+        can finish the step under way without that collective. Set there, the members stop
+        at the end of that step, not a step later (most of what a joiner waited)."""
+        before_next_world_collective(self._training_thread, self._set_stopping_step)
+
+    def _set_stopping_step(self) -> None:
+        try:
+            self.coordinator.grow_due(self._current(), self.step)
+        except (RuntimeError, OSError) as error:  # the boundary asks again, and says why
+            log.debug("worker %d: setting the step to stop for joiners failed: %s",
+                      self.coordinator.id, first_line(error))
 
     def _step_optimizer(self) -> None:
         self.optimizer.step()
@@ -262,134 +277,9 @@ class Elastic:
             except Exception as again:
                 error = again
 
-    def _regroup(self, planned: bool) -> None:
-        started = time.monotonic()
-        previous = self._current()
-        # A DataParallel is built for its world size: rebuilt. Local SGD / DiLoCo keep
-        # their round's progress through a failure; joiners need a fresh one everywhere.
-        rewrap = planned or not self._keeps_wrapper
-        if planned:
-            rounds.before_planned_regroup(self.model)
-        self._leave_group(drop_wrapper=rewrap, failed=not planned)
-        try:
-            membership = self.coordinator.regroup(previous, self.step, planned)
-        except Excluded as error:
-            log.warning("%s; joining again", error)  # (it names the worker)
-            self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
-            self._target, self._rejoined = self.step, True  # train the step the others are at
-            return
-        except QuorumError:
-            raise
-        except (RuntimeError, OSError) as error:  # the store's, not a peer's: not retried
-            raise store_gone(self.coordinator.address, error) from None
-        self._rejoined = False
-        self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
-                    previous=previous)
-
-    def _leave_group(self, drop_wrapper: bool, failed: bool) -> None:
-        """Close the old group's connections before the quorum, so a peer still blocked in
-        a collective with this rank fails at once rather than at its timeout. Nothing may
-        keep the group alive: the wrapper's own groups go with it, and the failed work
-        with the error's frames (failures.forget_frames). A garbage collection takes a
-        tenth of a second or more with torch loaded, most of a joiner's wait: a planned
-        regroup (nothing failed) collects only if the wrapper outlived its last
-        reference."""
-        if drop_wrapper and isinstance(self.model, ShardedDataParallel):
-            assert isinstance(self.optimizer, ZeroOptimizer)
-            self._held = recovery.hold(self.model.zero_groups, self.optimizer,
-                                       self._current().epoch, self.step)
-            self.model.abandon()  # (close() would gather stage 3's shards: a collective)
-            self.optimizer.group = None  # it would keep the old group's sockets open
-        elif drop_wrapper and hasattr(self.model, "close"):  # (no local may keep it)
-            self.model.close()
-        rounds.leaving_group(self.model)  # a kept wrapper's works on the old group
-        dropped = None
-        if drop_wrapper and self.model is not None:
-            dropped, self.model = weakref.ref(self.model), None
-            self.drift = None  # it watches that wrapper (_rewrap makes the next one's)
-        if failed or (dropped is not None and dropped() is not None):
-            gc.collect()  # frames and works in reference cycles
-        if dropped is not None and dropped() is not None:
-            still_held(dropped(), self.world.rank)
-        reporter.stop()  # no progress or watchdog store call while the group goes
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def _admit(self, membership: Membership, rewrap: bool, started: float,
-               previous: Membership | None = None) -> None:
-        """Make `membership` current: its group, the wrapper, state for whoever needs it.
-        It is current from the start: if a member fails mid-way, the next regroup starts
-        from these members (and this rank's step still says what it has committed)."""
-        self.membership = membership
-        install(membership, self.coordinator.base, self.backend,
-                timedelta(seconds=self.config.collective_timeout_s))
-        # ZeRO's shards (a collective: every worker of a ZeRO job has a ZeroOptimizer, the
-        # terms agreed on it); a replicated job has nothing to pool
-        pooled = recovery.pool(self._held, membership.step) \
-            if isinstance(self.optimizer, ZeroOptimizer) else None
-        if pooled is not None:
-            recovery.restore(self.module, pooled)
-        if rewrap or self.model is None or pooled is not None:
-            self._rewrap()
-        if pooled is not None:
-            recovery.load(self.model.zero_groups, self.optimizer, pooled)
-        self._held = None
-        behind = self.coordinator.id in membership.behind
-        if membership.behind:  # (ZeRO: the pool brought parameters and optimizer level)
-            sharded = isinstance(self.model, ShardedDataParallel)
-            objects = hand_over(self.module, None if sharded else self.optimizer, self.model,
-                                self._objects(), receive=behind, receive_wrapper=rewrap)
-            if behind:
-                self._load_objects(objects)
-                self._received = True
-        self.step = membership.step
-        if behind:
-            self._phase, self._sync_retry = 0, False
-        self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))
-        self.regroups.append(report(membership, previous, time.monotonic() - started))
-        source = "rank 0" if pooled is None else "rank 0, ZeRO shards from every member"
-        if membership.rank == 0:
-            log.warning(describe(membership, previous, time.monotonic() - started, source))
-        elif self.coordinator.id in membership.joined:  # the newcomer's own launcher says so
-            log.warning("worker %d joined the job at step %d as rank %d of %d (state received "
-                        "from %s; %.1fs after it asked)", self.coordinator.id,
-                        membership.step, membership.rank, membership.world_size, source,
-                        time.monotonic() - started)
-
-    def _rewrap(self) -> None:
-        if self.model is not None:
-            close = getattr(self.model, "close", None)
-            if close is not None:
-                close()
-        with mirrored_shards():  # a ZeRO wrapper keeps the next rank's shard too
-            self.model = self.wrap(self.module)
-        self._keeps_wrapper = rounds.trains_in_rounds(self.model)
-        self.drift = None
-        if isinstance(self.model, ShardedDataParallel):
-            self.optimizer = recovery.over_shards(self.optimizer, self.model)
-            if self.model.stage == 3:  # nothing is held alike by two ranks: nothing to check
-                return
-        if self.config.check_every:
-            # The wrapper says what its replicas share, and when (local rounds: at ends)
-            self.drift = DriftCheck(self.model, self.config.check_every)
-
-    def _objects(self) -> dict[str, Any]:
-        return {"step": self.step, "lineage": self.lineage,
-                "state": {k: v.state_dict() for k, v in self.state.items()}}
-
-    def _load_objects(self, objects: dict[str, Any]) -> None:
-        self.lineage = [list(run) for run in objects["lineage"]]
-        for key, value in objects["state"].items():
-            self.state[key].load_state_dict(value)
-
-    def _current(self) -> Membership:
-        assert self.membership is not None, "Elastic has not joined a membership"
-        return self.membership
-
     def finish(self) -> None:
         """Training is over on this worker: tell the job (waiting joiners exit) and leave."""
         self.coordinator.finish()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
-

@@ -185,8 +185,7 @@ def install(membership: Membership, store: dist.Store, backend: str,
     store prefix. The previous epoch's group is destroyed first; its collectives already
     failed or finished, so nothing waits on it."""
     reporter.stop()  # its store calls and watchdog checks must not span two groups
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    world_module.retire_default_group()
     world_module.import_what_binds_the_default_group()  # as lockstep.init does: else the
     world_module.register_exit_once()  # last group outlives exit and may abort the process
     prefix = dist.PrefixStore(f"lockstep/elastic/pg/{membership.epoch}", store)

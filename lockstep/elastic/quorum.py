@@ -15,6 +15,8 @@ started the job; `LOCKSTEP_ELASTIC=HOST:PORT` says where). Keys, under `lockstep
     epoch                    the latest decided epoch
     joiners, joiner/<k>      workers waiting to join, in arrival order; admitted/<id>
     grow/<e>                 the step at which epoch e's members stop to let joiners in
+    q/<e>/ready/<id>         a joiner saw that they stop for it: alive, as the leader of
+                             quorum e needs to know
     done                     the job has finished
 
 A quorum for epoch e is led by its first arrival: it waits until every member of the
@@ -110,6 +112,7 @@ class Coordinator:
         self.store.set(f"joiner/{slot}", str(self.id))
         epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
         deadline, next_bump = time.monotonic() + self.config.join_timeout_s, 0.0
+        stopping = False  # the members stop for joiners at a step they agreed on
         while time.monotonic() < deadline:
             key = f"members/{epoch}"
             if self.store.check([key]):
@@ -117,7 +120,7 @@ class Coordinator:
                 self.latest = max(self.latest, epoch)
                 if text != ABANDONED and self.id in json.loads(text)["ids"]:
                     return Membership.from_json(text, self.id)
-                epoch += 1
+                epoch, stopping = epoch + 1, False
                 continue
             if self.store.check([f"refused/{self.id}"]):
                 reason = self.store.get(f"refused/{self.id}").decode(errors="replace")
@@ -131,8 +134,13 @@ class Coordinator:
                             self.id)
                 self.leave()
                 raise JobFinished()
-            if time.monotonic() >= next_bump:  # alive as the leader judges it (a counter
-                self.store.add(f"hb/{self.id}", 1)  # that moves), sooner than a beat
+            if not stopping and self.store.check([f"grow/{epoch - 1}"]):
+                stopping = True  # the members stop for it: the quorum's leader will ask
+                self.store.set(f"q/{epoch}/ready/{self.id}", "")  # whether it is alive
+            # Alive as a leader judges it otherwise: a counter that moves, sooner than a
+            # beat (and at every poll once the members stop)
+            if stopping or time.monotonic() >= next_bump:
+                self.store.add(f"hb/{self.id}", 1)
                 next_bump = time.monotonic() + _JOINER_BUMP_S
             time.sleep(_POLL_S)
         raise QuorumError(f"worker {self.id} (host {self.host}): not admitted to the job "
@@ -263,9 +271,11 @@ class Coordinator:
                                                    info["step"], info["rank"])
                 elif liveness.observe(worker) == "dead" or time.monotonic() > give_up:
                     gone.add(worker)
-            for worker in joiners:
+            for worker in joiners:  # (ready: it said so since the members chose to stop)
                 if worker not in registered and worker not in gone:
                     state = liveness.observe(worker)
+                    if state == "unknown" and self.store.check([f"q/{epoch}/ready/{worker}"]):
+                        state = "alive"
                     if state == "alive":
                         registered[worker] = Candidate(worker, *self._where(worker))
                     elif state == "dead":

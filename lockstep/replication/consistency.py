@@ -9,7 +9,10 @@ name the first difference and the ranks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from torch import nn
@@ -19,6 +22,23 @@ from lockstep import comm
 
 class ModelMismatchError(RuntimeError):
     """Ranks wrapped models with different parameters or buffers."""
+
+
+LEVELLED_ELSEWHERE: ContextVar[bool] = ContextVar("lockstep_levelled_elsewhere", default=False)
+
+
+@contextlib.contextmanager
+def levelled_elsewhere() -> Iterator[None]:
+    """A DataParallel built inside neither checks that the replicas match nor broadcasts
+    rank 0's parameters (DDP's init_sync=False): the caller makes them match itself.
+    lockstep.Elastic does, at every membership after the first: a joiner's model was
+    compared with the job's before it was let in, and rank 0's state goes to every rank
+    not level (handover.py) -- the two collectives were a tenth of a joiner's way in."""
+    token = LEVELLED_ELSEWHERE.set(True)
+    try:
+        yield
+    finally:
+        LEVELLED_ELSEWHERE.reset(token)
 
 
 def _describe(module: nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

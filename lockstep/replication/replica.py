@@ -30,7 +30,11 @@ from lockstep.replication.algorithms import Native
 from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
 from lockstep.replication.choices import make_reduction
 from lockstep.replication.commhook import CommHook, check_comm_hook
-from lockstep.replication.consistency import ModelMismatchError, verify_replicas_match
+from lockstep.replication.consistency import (
+    LEVELLED_ELSEWHERE,
+    ModelMismatchError,
+    verify_replicas_match,
+)
 from lockstep.replication.ddp_args import (
     check_trainable,
     pick,
@@ -112,7 +116,7 @@ class DataParallel(nn.Module):
             else ddp.broadcast_buffers
         self.require_backward_grad_sync = True  # DDP's flag; no_sync() clears it
         self._take_over(module)
-        if ddp.init_sync:
+        if ddp.init_sync and not LEVELLED_ELSEWHERE.get():
             verify_replicas_match(module, self.group)
             comm.broadcast_tensors([*module.parameters(), *module.buffers()], 0,
                                    "broadcast of rank 0's parameters and buffers", self.group)
