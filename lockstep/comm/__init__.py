@@ -28,9 +28,11 @@ from lockstep.comm.collectives import (
     new_group,
     rank_of,
     recv,
+    recv_object,
     reduce_scatter,
     reduce_scatter_async,
     send,
+    send_object,
     size_of,
 )
 
@@ -58,9 +60,11 @@ __all__ = [
     "new_group",
     "rank_of",
     "recv",
+    "recv_object",
     "reduce_scatter",
     "reduce_scatter_async",
     "send",
+    "send_object",
     "size_of",
 ]
 

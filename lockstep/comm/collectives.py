@@ -124,7 +124,8 @@ def _explain(what: str, error: BaseException, started: float,
                            stalled=waited >= watchdog.watchdog.stall_after)
 
 
-_POINT_TO_POINT = (dist.isend, dist.irecv)  # not numbered: ranks send different counts
+_POINT_TO_POINT = (dist.isend, dist.irecv, dist.send_object_list, dist.recv_object_list)
+# (not numbered: ranks send different counts; args[1] is the partner)
 
 
 _before_world_collective: tuple[int, Callable[[], None]] | None = None
@@ -224,6 +225,18 @@ def broadcast_object(obj: Any, src: int, what: str, group: Group = None) -> Any:
     """Rank `src`'s `obj` (src a rank within `group`). Small, trusted metadata: it pickles."""
     box = [obj]
     _run(what, dist.broadcast_object_list, box, src=_global(src, group), group=group)
+    return box[0]
+
+
+def send_object(obj: Any, dst: int, what: str) -> None:
+    """Send `obj` to rank `dst` alone (small, trusted metadata among the job's ranks: it
+    pickles); `dst` calls recv_object."""
+    _run(what, dist.send_object_list, [obj], dst)
+
+
+def recv_object(src: int, what: str) -> Any:
+    box = [None]
+    _run(what, dist.recv_object_list, box, src)
     return box[0]
 
 

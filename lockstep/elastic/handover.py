@@ -6,11 +6,13 @@ model's parameters and buffers, the optimizer's state (momenta, step counts, lea
 rates), the wrapper's own tensors (DiLoCo's outer state), the RNG states, and small
 objects (the step, the data position, the user's `state_dict()`s). Nothing touches disk.
 
-Collective over the whole membership. Tensors travel as broadcasts, one per dtype; the
-layout they need (the optimizer state's shapes, the objects) goes first as one small
-pickled object among the ranks -- peers of one job, as with every object lockstep's ranks
-exchange; nothing from outside the job is unpickled. Ranks that are already level take
-part in the broadcasts but keep their own state.
+Called on every rank of the membership. When one rank needs the state (a joiner, the
+usual case), rank 0 sends it to that rank alone and the others go on; otherwise tensors
+travel as broadcasts, and ranks that are already level take part but keep their own
+state. Either way tensors go one message per dtype; the layout they need (the optimizer
+state's shapes, the objects) goes first as one small pickled object among the ranks --
+peers of one job, as with every object lockstep's ranks exchange; nothing from outside the
+job is unpickled.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep import comm
 from lockstep.replication.compress import PER_RANK
@@ -102,25 +105,23 @@ def _wrapper_tensors(wrapper: Any) -> dict[str, torch.Tensor]:
 
 
 def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper: Any,
-              objects: dict[str, Any], *, receive: bool, receive_wrapper: bool
+              objects: dict[str, Any], *, behind: list[int], receive_wrapper: bool
               ) -> dict[str, Any]:
-    """Send rank 0's state to every rank; load it where `receive` (everything) or
-    `receive_wrapper` (the wrapper's tensors only: a fresh wrapper on a rank that is
-    otherwise level). `objects` is small picklable state (step, data position); rank 0's
-    comes back on every rank. `optimizer` None: ZeRO, whose parameters and optimizer state
-    every rank received from the pool (sharding/recovery.py): only the buffers travel."""
+    """Send rank 0's state to the ranks `behind`, which load it, and -- with
+    `receive_wrapper` (a fresh wrapper on every rank) -- the wrapper's tensors to every
+    rank. `objects` is small picklable state (step, data position); rank 0's comes back on
+    the ranks that receive it (the others get their own). `optimizer` None: ZeRO, whose
+    parameters and optimizer state every rank received from the pool (sharding/recovery.py):
+    only the buffers travel."""
+    receive = comm.rank_of() in behind
+    if len(behind) == 1 and not (receive_wrapper and _wrapper_tensors(wrapper)):
+        return _hand_to_one(module, optimizer, wrapper, objects, behind[0], receive)
     mine = comm.rank_of() == SOURCE
     tensors: list[torch.Tensor] = []
-    layout = None
-    if mine:
-        layout = _split({"model": _module_state(module, whole=optimizer is not None),
-                         "optimizer": optimizer.state_dict() if optimizer else None,
-                         "wrapper": _wrapper_tensors(wrapper), "rng": _rng_state(),
-                         "objects": objects}, tensors)
+    layout = _layout(module, optimizer, wrapper, objects, tensors) if mine else None
     layout = comm.broadcast_object(layout, SOURCE, "handover: the layout of rank 0's state")
     if not mine:
-        tensors = [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device))
-                   for s in sorted(_slots(layout), key=lambda s: s.index)]
+        tensors = _empty_like_slots(layout)
     comm.broadcast_tensors(tensors, SOURCE, "handover: rank 0's model and optimizer state")
     state = _join(layout, tensors)
     if receive and not mine:
@@ -128,6 +129,56 @@ def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrappe
     if (receive or receive_wrapper) and not mine:
         _load_into(_wrapper_tensors(wrapper), state["wrapper"])
     return dict(state["objects"])
+
+
+def _hand_to_one(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper: Any,
+                 objects: dict[str, Any], to: int, receive: bool) -> dict[str, Any]:
+    """Rank 0 sends its state to rank `to` alone (a broadcast made every member receive a
+    copy it does not need: N-1 copies of the model for one joiner); the others return."""
+    if comm.rank_of() == SOURCE:
+        tensors: list[torch.Tensor] = []
+        comm.send_object(_layout(module, optimizer, wrapper, objects, tensors), to,
+                         "handover: the layout of rank 0's state")
+        for same_dtype in _by_dtype(tensors):
+            comm.send(_flatten_dense_tensors([t.detach() for t in same_dtype]), to,
+                      "handover: rank 0's model and optimizer state")
+        return objects
+    if not receive:
+        return objects
+    layout = comm.recv_object(SOURCE, "handover: the layout of rank 0's state")
+    tensors = _empty_like_slots(layout)
+    for same_dtype in _by_dtype(tensors):
+        flat = _flatten_dense_tensors(same_dtype)  # (a buffer of the right size and dtype)
+        comm.recv(flat, SOURCE, "handover: rank 0's model and optimizer state")
+        for t, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype),
+                            strict=True):
+            t.copy_(value)
+    state = _join(layout, tensors)
+    _load(module, optimizer, state)
+    _load_into(_wrapper_tensors(wrapper), state["wrapper"])
+    return dict(state["objects"])
+
+
+def _layout(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper: Any,
+            objects: dict[str, Any], tensors: list[torch.Tensor]) -> Any:
+    """Rank 0's state with its tensors moved to `tensors` (see _split)."""
+    return _split({"model": _module_state(module, whole=optimizer is not None),
+                   "optimizer": optimizer.state_dict() if optimizer else None,
+                   "wrapper": _wrapper_tensors(wrapper), "rng": _rng_state(),
+                   "objects": objects}, tensors)
+
+
+def _empty_like_slots(layout: Any) -> list[torch.Tensor]:
+    return [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device))
+            for s in sorted(_slots(layout), key=lambda s: s.index)]
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype and device, in first-seen order (alike on both ends)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
 
 
 def _device(name: str) -> torch.device:

@@ -137,8 +137,9 @@ class Regrouping:
         behind = self.coordinator.id in membership.behind
         if membership.behind:  # (ZeRO: the pool brought parameters and optimizer level)
             sharded = isinstance(self.model, ShardedDataParallel)
+            ranks = sorted(membership.ids.index(i) for i in membership.behind)
             objects = hand_over(self.module, None if sharded else self.optimizer, self.model,
-                                self._objects(), receive=behind, receive_wrapper=rewrap)
+                                self._objects(), behind=ranks, receive_wrapper=rewrap)
             if behind:
                 self._load_objects(objects)
                 self._received = True
