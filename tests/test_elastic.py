@@ -202,6 +202,56 @@ def test_rank_0_sets_the_stop_for_a_joiner_in_the_step_under_way() -> None:
     assert "stop at 6" in done.stdout, done.stdout + done.stderr
 
 
+HOOK_ON_COLLECTIVES = textwrap.dedent("""
+    import threading
+    import torch
+    import lockstep
+    from lockstep import comm
+    from lockstep.comm import collectives
+
+    lockstep.init()
+    ran = []
+    collectives.before_next_world_collective(threading.get_ident(), lambda: ran.append(1))
+    with collectives.awaited_later():  # (streaming DiLoCo's exchange)
+        comm.all_reduce_async(torch.zeros(1), "an exchange waited for later").wait()
+    other = threading.Thread(target=comm.all_reduce, args=(torch.zeros(1), "elsewhere"))
+    other.start()
+    other.join()
+    print("before:", len(ran), flush=True)
+    comm.all_reduce(torch.zeros(1), "the step's")
+    comm.all_reduce(torch.zeros(1), "the next")
+    print("after:", len(ran), flush=True)
+""")
+
+
+def test_the_stop_hook_runs_once_on_a_collective_its_step_waits_for() -> None:
+    """Not on one waited for after the step (a peer may finish the step before this rank
+    joins it), nor on another thread's; once, on the next one the step waits for."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("WORLD_SIZE", None)
+    done = subprocess.run([sys.executable, "-c", HOOK_ON_COLLECTIVES], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "before: 0" in done.stdout and "after: 1" in done.stdout, done.stdout
+
+
+def test_a_joiner_that_froze_another_layer_differs_in_its_terms() -> None:
+    """Past step 0 an elastic job's wrappers skip DataParallel's model check (the hand-over
+    levels the ranks), so the terms must catch what it caught: which parameters train."""
+    from lockstep.elastic.terms import differences, terms_of
+
+    def model(frozen: bool) -> torch.nn.Module:
+        net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+        net[0].bias.requires_grad_(not frozen)
+        return net
+
+    job, joiner = model(False), model(True)
+    sgd = torch.optim.SGD(job.parameters(), lr=0.1)
+    assert not differences(terms_of(job, sgd), terms_of(model(False), sgd))
+    said = differences(terms_of(job, sgd), terms_of(joiner, sgd))
+    assert said == ["model entry '0.bias': [4] float32 (frozen) here, [4] float32 in the job"]
+
+
 def test_which_errors_mean_a_peer_is_gone() -> None:
     assert membership_failure(CollectiveError("rank 0: bucket failed"))
     assert membership_failure(RuntimeError("[../gloo/pair.cc:553] Connection closed by peer"))

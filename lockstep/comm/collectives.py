@@ -6,10 +6,11 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -129,21 +130,37 @@ _POINT_TO_POINT = (dist.isend, dist.irecv, dist.send_object_list, dist.recv_obje
 
 
 _before_world_collective: tuple[int, Callable[[], None]] | None = None
+_awaited_later = threading.local()
 
 
 def before_next_world_collective(thread: int, hook: Callable[[], None]) -> None:
     """Run `hook` once, in thread `thread`, just before that thread next issues a
-    collective over the whole default group -- one no rank can get past before this one
-    has joined it (lockstep.Elastic's rank 0 sets the step at which its members stop for a
-    joiner there: the step under way, not the one after). May be called from any thread."""
+    collective over the whole default group that its step waits for -- one no rank can
+    finish the step without (lockstep.Elastic's rank 0 sets the step at which its members
+    stop for a joiner there: the step under way, not the one after). Point-to-point
+    messages, subgroups and collectives issued inside `awaited_later()` do not run it.
+    May be called from any thread."""
     global _before_world_collective
     _before_world_collective = (thread, hook)
+
+
+@contextlib.contextmanager
+def awaited_later() -> Iterator[None]:
+    """Collectives issued inside are waited for after the step under way (streaming
+    DiLoCo's exchange, overlapped with the next inner steps): a peer may finish the step
+    before this rank joins them, so they run no before_next_world_collective hook."""
+    _awaited_later.on = True
+    try:
+        yield
+    finally:
+        _awaited_later.on = False
 
 
 def _run_armed_hook() -> None:
     global _before_world_collective
     armed = _before_world_collective
-    if armed is not None and armed[0] == threading.get_ident():
+    if armed is not None and armed[0] == threading.get_ident() and \
+            not getattr(_awaited_later, "on", False):
         _before_world_collective = None
         armed[1]()
 

@@ -110,7 +110,8 @@ def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrappe
     """Send rank 0's state to the ranks `behind`, which load it, and -- with
     `receive_wrapper` (a fresh wrapper on every rank) -- the wrapper's tensors to every
     rank. `objects` is small picklable state (step, data position); rank 0's comes back on
-    the ranks that receive it (the others get their own). `optimizer` None: ZeRO, whose
+    the ranks that receive it (sent to one rank alone, the others get their own back).
+    `optimizer` None: ZeRO, whose
     parameters and optimizer state every rank received from the pool (sharding/recovery.py):
     only the buffers travel."""
     receive = comm.rank_of() in behind

@@ -191,9 +191,10 @@ class Elastic(Regrouping):
     def _stop_for_joiners_soon(self) -> None:
         """(Rank 0's heartbeat thread: admissible joiners wait.) The stopping step is set
         by the training thread -- at its next step boundary (Coordinator.grow_due), or
-        sooner: just before it next issues a collective over the whole group, as no member
-        can finish the step under way without that collective. Set there, the members stop
-        at the end of that step, not a step later (most of what a joiner waited)."""
+        sooner: just before it next issues a collective over the whole group that the step
+        waits for, as no member can finish the step under way without it. Set there, the
+        members stop at the end of that step (under local SGD / DiLoCo, of its round), not a
+        step later (most of what a joiner waited)."""
         before_next_world_collective(self._training_thread, self._set_stopping_step)
 
     def _set_stopping_step(self) -> None:

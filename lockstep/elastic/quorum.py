@@ -15,8 +15,7 @@ started the job; `LOCKSTEP_ELASTIC=HOST:PORT` says where). Keys, under `lockstep
     epoch                    the latest decided epoch
     joiners, joiner/<k>      workers waiting to join, in arrival order; admitted/<id>
     grow/<e>                 the step at which epoch e's members stop to let joiners in
-    q/<e>/ready/<id>         a joiner saw that they stop for it: alive, as the leader of
-                             quorum e needs to know
+    q/<e>/ready/<id>         a joiner saw quorum e begin: alive, as its leader asks
     done                     the job has finished
 
 A quorum for epoch e is led by its first arrival: it waits until every member of the
@@ -112,7 +111,7 @@ class Coordinator:
         self.store.set(f"joiner/{slot}", str(self.id))
         epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
         deadline, next_bump = time.monotonic() + self.config.join_timeout_s, 0.0
-        stopping = False  # the members stop for joiners at a step they agreed on
+        asked = False  # the quorum that may admit it has begun
         while time.monotonic() < deadline:
             key = f"members/{epoch}"
             if self.store.check([key]):
@@ -120,7 +119,7 @@ class Coordinator:
                 self.latest = max(self.latest, epoch)
                 if text != ABANDONED and self.id in json.loads(text)["ids"]:
                     return Membership.from_json(text, self.id)
-                epoch, stopping = epoch + 1, False
+                epoch, asked = epoch + 1, False
                 continue
             if self.store.check([f"refused/{self.id}"]):
                 reason = self.store.get(f"refused/{self.id}").decode(errors="replace")
@@ -134,12 +133,12 @@ class Coordinator:
                             self.id)
                 self.leave()
                 raise JobFinished()
-            if not stopping and self.store.check([f"grow/{epoch - 1}"]):
-                stopping = True  # the members stop for it: the quorum's leader will ask
-                self.store.set(f"q/{epoch}/ready/{self.id}", "")  # whether it is alive
+            if not asked and self.store.check([f"q/{epoch}/n"]):
+                asked = True  # its leader asks whether this worker is alive: say so now
+                self.store.set(f"q/{epoch}/ready/{self.id}", "")  # (not earlier: fresh)
             # Alive as a leader judges it otherwise: a counter that moves, sooner than a
-            # beat (and at every poll once the members stop)
-            if stopping or time.monotonic() >= next_bump:
+            # beat (and at every poll while a quorum is under way)
+            if asked or time.monotonic() >= next_bump:
                 self.store.add(f"hb/{self.id}", 1)
                 next_bump = time.monotonic() + _JOINER_BUMP_S
             time.sleep(_POLL_S)
@@ -167,10 +166,12 @@ class Coordinator:
         loaded machine once learnt it too late, and that member went into the step the
         others stopped before (its attempt interrupted, the step redone).
 
-        Rank 0 sets the step here, at the next boundary (and round end) after the one it
-        stands at: no member can be past that, because every step -- under local SGD,
-        DiLoCo and streaming DiLoCo every round's end -- waits on a collective rank 0 has
-        not joined yet. A mode whose round ends without one would need more steps ahead."""
+        Rank 0 sets the step here, at the next boundary (and round end) after `step`: at
+        its step boundary, or sooner, just before it issues a collective over the group
+        that step `step` waits for (Elastic._stop_for_joiners_soon). No member can be past
+        that boundary, because every step -- under local SGD, DiLoCo and streaming DiLoCo
+        every round's end -- waits on a collective rank 0 has not joined yet. A mode whose
+        round ends without one would need more steps ahead."""
         at = self.heartbeat.grow_at(membership.epoch)
         key = f"grow/{membership.epoch}"
         if at is None and not self.heartbeat.lost:
@@ -271,7 +272,7 @@ class Coordinator:
                                                    info["step"], info["rank"])
                 elif liveness.observe(worker) == "dead" or time.monotonic() > give_up:
                     gone.add(worker)
-            for worker in joiners:  # (ready: it said so since the members chose to stop)
+            for worker in joiners:  # (ready: it said so since this quorum began)
                 if worker not in registered and worker not in gone:
                     state = liveness.observe(worker)
                     if state == "unknown" and self.store.check([f"q/{epoch}/ready/{worker}"]):

@@ -1,14 +1,16 @@
 """The terms of a job: what every worker must agree on before it may train in it.
 
 A joiner that differs from the job in what decides what is trained -- its model (names,
-shapes, dtypes), its optimizer (kind and settings), the global batch, the data (size,
-order) -- would either break the job (a wider layer fails every member's collectives) or,
-worse, train silently on other samples than the members do. So each worker publishes its
-terms when it arrives, and the members' rank 0 compares a joiner's with its own before
-letting it in: a joiner that differs is refused, told why, and the job goes on.
+shapes, dtypes, which parameters train), its optimizer (kind and settings), the global
+batch, the data (size, order) -- would either break the job (a wider layer fails every
+member's collectives) or, worse, train silently on other samples than the members do. So
+each worker publishes its terms when it arrives, and the members' rank 0 compares a
+joiner's with its own before letting it in: a joiner that differs is refused, told why,
+and the job goes on.
 
 Terms are plain JSON (no code, no pickle): a dict of name -> value, where "model" maps
-each state-dict entry to [shape, dtype]. `differences` says what differs, in words.
+each parameter and buffer to [shape, dtype, role] (trainable, frozen or buffer).
+`differences` says what differs, in words.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ def terms_of(module: nn.Module, optimizer: torch.optim.Optimizer,
              agree: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """This worker's terms: its model's layout, its optimizer's kind and settings, and
     `agree` (what else decides the training: the global batch, the data's size and seed)."""
-    model = {name: [list(t.shape), str(t.dtype).removeprefix("torch.")]
-             for name, t in module.state_dict().items()}
+    # Which parameters train, too: a joiner that froze another layer would build other
+    # buckets (and Elastic's wrappers past step 0 skip DataParallel's own model check)
+    model = {name: [list(p.shape), _dtype(p), "trainable" if p.requires_grad else "frozen"]
+             for name, p in module.named_parameters()}
+    model.update({name: [list(b.shape), _dtype(b), "buffer"]
+                  for name, b in module.named_buffers()})
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO's: the torch optimizer it steps
     settings = {key: value for key, value in inner.defaults.items()
                 if isinstance(value, (bool, int, float, str, type(None)))}
@@ -81,6 +87,10 @@ def _model_differences(job: Mapping[str, Any], joiner: Mapping[str, Any]) -> lis
     return found
 
 
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
 def _entry(layout: Any) -> str:
-    shape, dtype = layout
-    return f"{list(shape)} {dtype}"
+    shape, dtype, role = layout
+    return f"{list(shape)} {dtype}" + ("" if role == "trainable" else f" ({role})")

@@ -31,9 +31,10 @@ LEVELLED_ELSEWHERE: ContextVar[bool] = ContextVar("lockstep_levelled_elsewhere",
 def levelled_elsewhere() -> Iterator[None]:
     """A DataParallel built inside neither checks that the replicas match nor broadcasts
     rank 0's parameters (DDP's init_sync=False): the caller makes them match itself.
-    lockstep.Elastic does, at every membership after the first: a joiner's model was
-    compared with the job's before it was let in, and rank 0's state goes to every rank
-    not level (handover.py) -- the two collectives were a tenth of a joiner's way in."""
+    lockstep.Elastic does, for DataParallel past step 0 (not ZeRO): a joiner's model was
+    compared with the job's before it was let in (elastic/terms.py: names, shapes, dtypes,
+    which parameters train), and rank 0's state goes to every rank not level
+    (handover.py) -- the check and the broadcast were a tenth of a joiner's way in."""
     token = LEVELLED_ELSEWHERE.set(True)
     try:
         yield
