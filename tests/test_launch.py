@@ -234,3 +234,29 @@ def test_the_other_workers_that_ended_alike_are_one_line() -> None:
         "  ranks 1, 2, 3, 4, 5: the same error",
         "  rank 6: CollectiveError: rank 6: lost rank 0",
         "  rank 7: stopped by the launcher"]
+
+
+def test_a_finished_worker_stopped_on_its_way_out_still_reads_as_finished() -> None:
+    """Rank 1 finished its script; rank 0's collective then lost its partner, and the
+    launcher stopped rank 1 (SIGTERM) before its exit was seen -- on a slow machine its
+    exit (groups torn down, a collection) outlasted rank 0's failure. The verdict named
+    rank 1 "stopped by the launcher" and not as the one that finished early."""
+    from types import SimpleNamespace
+
+    from lockstep.launch.entry import FINISHED
+    from lockstep.launch.run import RECORD, failure_summary
+
+    def recorded(kind: str, text: str, code: int, at: float, exitcode: int
+                 ) -> SimpleNamespace:
+        return SimpleNamespace(message={"message": text, "extraInfo": {RECORD: {
+            "kind": kind, "code": code, "time": at}}}, exitcode=exitcode, local_rank=0,
+            pid=100, timestamp=int(at))
+
+    failed = SimpleNamespace(failures={
+        0: recorded("exception", "CollectiveError: rank 0: gradient all-reduce failed: "
+                    "Connection closed by peer", 1, 20.0, 1),
+        1: recorded("finished", FINISHED, 0, 10.0, -15)})
+    summary = failure_summary(failed, nproc=2)
+    assert summary.startswith("lockstep run: worker rank 0 "), summary
+    assert "no worker failed on its own: rank(s) 1 had finished (exit code 0)" in summary
+    assert "rank 1: finished its script (exit code 0)" in summary

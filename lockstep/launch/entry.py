@@ -32,6 +32,9 @@ def _run(kind: str, target: str, args: list[str]) -> None:
         runpy.run_path(target, run_name="__main__")
 
 
+FINISHED = "finished its script (exit code 0)"
+
+
 def exit_code(exit: SystemExit) -> int:
     """The status Python exits with for this SystemExit: sys.exit("why") exits with 1."""
     if exit.code is None:
@@ -65,6 +68,8 @@ def main() -> None:
         code = exit_code(exit)
         if code != 0:
             record("exit", f"exited with code {code} (sys.exit)", code)
+        else:
+            record("finished", FINISHED, 0)
         raise
     except KeyboardInterrupt:  # Ctrl-C: the launcher says so once, not every rank's traceback
         if "TORCHELASTIC_ERROR_FILE" not in os.environ:
@@ -83,6 +88,8 @@ def main() -> None:
                          f"{first_line}\n")
         sys.stderr.flush()
         sys.exit(1)
+    else:  # If the launcher stops this process on its way out (another worker failed
+        record("finished", FINISHED, 0)  # meanwhile), it still reads as finished
 
 
 if __name__ == "__main__":

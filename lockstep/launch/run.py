@@ -165,7 +165,7 @@ def _is_knock_on(failure: Any) -> bool:
     worker that recorded nothing) the SIGTERM torchrun sends the survivors. A worker that
     raised or exited is judged by what it recorded, even if the SIGTERM caught it on the
     way out (its exit code is then -15, not what it exited with)."""
-    if _record(failure).get("kind") == "exit":
+    if _record(failure).get("kind") in ("exit", "finished"):
         return False
     message = failure.message
     if isinstance(message, dict):
@@ -190,8 +190,14 @@ def root_cause(failed: Any) -> tuple[int, Any]:
     if stalled is not None:
         return stalled[0], failed.failures[stalled[0]]
     by_time = sorted(failed.failures.items(), key=lambda item: (_when(item[1]), item[0]))
-    primary = [item for item in by_time if not _is_knock_on(item[1])]
-    return (primary or by_time)[0]
+    failures = [item for item in by_time if not _finished(item[1])] or by_time
+    primary = [item for item in failures if not _is_knock_on(item[1])]
+    return (primary or failures)[0]
+
+
+def _finished(failure: Any) -> bool:
+    """It had finished its script when the launcher stopped it on its way out."""
+    return _record(failure).get("kind") == "finished"
 
 
 def stalled_worker(failed: Any) -> tuple[int, int] | None:
@@ -294,9 +300,11 @@ def _finished_early(failed: Any, nproc: int | None) -> str | None:
     """Where every failure is a knock-on (a collective that lost its partner) and some
     workers are not among them: those had exited cleanly, and the others were left waiting
     in a collective they never joined."""
-    if nproc is None or not all(_is_knock_on(f) for f in failed.failures.values()):
+    failures = [f for f in failed.failures.values() if not _finished(f)]
+    if nproc is None or not all(_is_knock_on(f) for f in failures):
         return None
-    finished = [str(r) for r in range(nproc) if r not in failed.failures]
+    finished = [str(r) for r in range(nproc)
+                if r not in failed.failures or _finished(failed.failures[r])]
     if not finished:
         return None
     return (f"no worker failed on its own: rank(s) {', '.join(finished)} had finished (exit "
