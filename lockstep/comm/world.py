@@ -175,8 +175,8 @@ def retire_default_group() -> None:
 
     destroy_process_group only forgets a group: its Gloo transport closes in the group's
     destructor, when the last reference goes, and that destructor waits 20-30 ms for Gloo's
-    threads (3 ranks on this machine) -- most of the time the members of an elastic job
-    stood still to let a joiner in. The last reference is let go on a thread of its own:
+    threads (3 ranks on this machine) -- a quarter of the time the members of an elastic
+    job stood still to let a joiner in. The last reference is let go on a thread of its own:
     torch releases the GIL in a group's destructor, so this rank forms the next group
     meanwhile, and a peer blocked in a collective with it sees the sockets close as soon
     as before. Not a daemon: the interpreter waits for it before it finalizes (a destructor

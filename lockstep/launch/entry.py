@@ -45,8 +45,8 @@ def exit_code(exit: SystemExit) -> int:
 def record(kind: str, message: str, code: int, callstack: str | None = None,
            **details: object) -> None:
     """Write torchrun's error file (its own format, so torchrun reads it as usual) with
-    lockstep's precise record added: kind ("exit" or "exception"), exit code, time, and
-    `details` (a collective that timed out: the ranks it waited for)."""
+    lockstep's precise record added: kind ("exit", "exception" or "finished"), exit code,
+    time, and `details` (a collective that timed out: the ranks it waited for)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -152,8 +152,8 @@ class _DropDeathSignalNotice(logging.Filter):
 
 
 def _record(failure: Any) -> dict[str, Any]:
-    """What lockstep.launch.entry recorded for this worker ({} if nothing): kind ("exit" or
-    "exception"), exit code, and the precise time of the failure."""
+    """What lockstep.launch.entry recorded for this worker ({} if nothing): kind ("exit",
+    "exception" or "finished"), exit code, and the precise time of the failure."""
     message = failure.message
     extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
     found = extra.get(RECORD) if isinstance(extra, dict) else None
