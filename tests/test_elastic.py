@@ -207,12 +207,12 @@ HOOK_ON_COLLECTIVES = textwrap.dedent("""
     import torch
     import lockstep
     from lockstep import comm
-    from lockstep.comm import collectives
+    from lockstep.comm import stophook
 
     lockstep.init()
     ran = []
-    collectives.before_next_world_collective(threading.get_ident(), lambda: ran.append(1))
-    with collectives.awaited_later():  # (streaming DiLoCo's exchange)
+    stophook.before_next_world_collective(threading.get_ident(), lambda: ran.append(1))
+    with stophook.awaited_later():  # (streaming DiLoCo's exchange)
         comm.all_reduce_async(torch.zeros(1), "an exchange waited for later").wait()
     other = threading.Thread(target=comm.all_reduce, args=(torch.zeros(1), "elsewhere"))
     other.start()

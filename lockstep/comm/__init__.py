@@ -29,10 +29,12 @@ from lockstep.comm.collectives import (
     rank_of,
     recv,
     recv_object,
+    recv_tensors,
     reduce_scatter,
     reduce_scatter_async,
     send,
     send_object,
+    send_tensors,
     size_of,
 )
 
@@ -61,10 +63,12 @@ __all__ = [
     "rank_of",
     "recv",
     "recv_object",
+    "recv_tensors",
     "reduce_scatter",
     "reduce_scatter_async",
     "send",
     "send_object",
+    "send_tensors",
     "size_of",
 ]
 

@@ -6,11 +6,9 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
-import contextlib
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lockstep.comm import watchdog
+from lockstep.comm import stophook, watchdog
 from lockstep.comm.diagnostics import explain_stall, peer_closed
 from lockstep.comm.ledger import Record, ledger
 
@@ -129,47 +127,10 @@ _POINT_TO_POINT = (dist.isend, dist.irecv, dist.send_object_list, dist.recv_obje
 # (not numbered: ranks send different counts; args[1] is the partner)
 
 
-_before_world_collective: tuple[int, Callable[[], None]] | None = None
-_awaited_later = threading.local()
-
-
-def before_next_world_collective(thread: int, hook: Callable[[], None]) -> None:
-    """Run `hook` once, in thread `thread`, just before that thread next issues a
-    collective over the whole default group that its step waits for -- one no rank can
-    finish the step without (lockstep.Elastic's rank 0 sets the step at which its members
-    stop for a joiner there: the step under way, not the one after). Point-to-point
-    messages, subgroups and collectives issued inside `awaited_later()` do not run it.
-    May be called from any thread."""
-    global _before_world_collective
-    _before_world_collective = (thread, hook)
-
-
-@contextlib.contextmanager
-def awaited_later() -> Iterator[None]:
-    """Collectives issued inside are waited for after the step under way (streaming
-    DiLoCo's exchange, overlapped with the next inner steps): a peer may finish the step
-    before this rank joins them, so they run no before_next_world_collective hook."""
-    _awaited_later.on = True
-    try:
-        yield
-    finally:
-        _awaited_later.on = False
-
-
-def _run_armed_hook() -> None:
-    global _before_world_collective
-    armed = _before_world_collective
-    if armed is not None and armed[0] == threading.get_ident() and \
-            not getattr(_awaited_later, "on", False):
-        _before_world_collective = None
-        armed[1]()
-
-
 def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     partner = args[1] if fn in _POINT_TO_POINT else None
-    if _before_world_collective is not None and partner is None and \
-            kwargs.get("group") is None:
-        _run_armed_hook()
+    if stophook.armed is not None and partner is None and kwargs.get("group") is None:
+        stophook.run_armed()
     record = ledger.issue(what, kwargs.get("group"), partner)
     started = time.monotonic()
     try:
@@ -212,16 +173,39 @@ def broadcast(tensor: torch.Tensor, src: int, what: str, group: Group = None) ->
 def broadcast_tensors(tensors: Sequence[torch.Tensor], src: int, what: str,
                       group: Group = None) -> None:
     """Overwrite `tensors` with rank `src`'s values: one broadcast per dtype, not per tensor."""
-    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault((t.dtype, t.device), []).append(t)
-    for group_tensors in by_dtype.values():
-        flat = _flatten_dense_tensors([t.detach() for t in group_tensors])
+    for same_dtype in _by_dtype(tensors):
+        flat = _flatten_dense_tensors([t.detach() for t in same_dtype])
         broadcast(flat, src, what, group)
-        with torch.no_grad():
-            for t, synced in zip(group_tensors, _unflatten_dense_tensors(flat, group_tensors),
-                                 strict=True):
-                t.copy_(synced)
+        _copy_back(flat, same_dtype)
+
+
+def send_tensors(tensors: Sequence[torch.Tensor], dst: int, what: str) -> None:
+    """Send `tensors` to rank `dst` alone, one message per dtype; `dst` calls recv_tensors
+    with tensors of the same shapes and dtypes, in the same order."""
+    for same_dtype in _by_dtype(tensors):
+        send(_flatten_dense_tensors([t.detach() for t in same_dtype]), dst, what)
+
+
+def recv_tensors(tensors: Sequence[torch.Tensor], src: int, what: str) -> None:
+    """Overwrite `tensors` with what rank `src` sent with send_tensors."""
+    for same_dtype in _by_dtype(tensors):
+        flat = _flatten_dense_tensors([t.detach() for t in same_dtype])  # (its size, dtype)
+        recv(flat, src, what)
+        _copy_back(flat, same_dtype)
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by dtype and device, in first-seen order (alike on every rank)."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    return list(groups.values())
+
+
+def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for t, value in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+            t.copy_(value)
 
 
 def all_gather_into(output: torch.Tensor, tensor: torch.Tensor, what: str,

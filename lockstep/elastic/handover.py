@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from lockstep import comm
 from lockstep.replication.compress import PER_RANK
@@ -111,9 +110,8 @@ def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrappe
     `receive_wrapper` (a fresh wrapper on every rank) -- the wrapper's tensors to every
     rank. `objects` is small picklable state (step, data position); rank 0's comes back on
     the ranks that receive it (sent to one rank alone, the others get their own back).
-    `optimizer` None: ZeRO, whose
-    parameters and optimizer state every rank received from the pool (sharding/recovery.py):
-    only the buffers travel."""
+    `optimizer` None: ZeRO, whose parameters and optimizer state every rank received from
+    the pool (sharding/recovery.py): only the buffers travel."""
     receive = comm.rank_of() in behind
     if len(behind) == 1 and not (receive_wrapper and _wrapper_tensors(wrapper)):
         return _hand_to_one(module, optimizer, wrapper, objects, behind[0], receive)
@@ -140,20 +138,13 @@ def _hand_to_one(module: nn.Module, optimizer: torch.optim.Optimizer | None, wra
         tensors: list[torch.Tensor] = []
         comm.send_object(_layout(module, optimizer, wrapper, objects, tensors), to,
                          "handover: the layout of rank 0's state")
-        for same_dtype in _by_dtype(tensors):
-            comm.send(_flatten_dense_tensors([t.detach() for t in same_dtype]), to,
-                      "handover: rank 0's model and optimizer state")
+        comm.send_tensors(tensors, to, "handover: rank 0's model and optimizer state")
         return objects
     if not receive:
         return objects
     layout = comm.recv_object(SOURCE, "handover: the layout of rank 0's state")
     tensors = _empty_like_slots(layout)
-    for same_dtype in _by_dtype(tensors):
-        flat = _flatten_dense_tensors(same_dtype)  # (a buffer of the right size and dtype)
-        comm.recv(flat, SOURCE, "handover: rank 0's model and optimizer state")
-        for t, value in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype),
-                            strict=True):
-            t.copy_(value)
+    comm.recv_tensors(tensors, SOURCE, "handover: rank 0's model and optimizer state")
     state = _join(layout, tensors)
     _load(module, optimizer, state)
     _load_into(_wrapper_tensors(wrapper), state["wrapper"])
@@ -172,14 +163,6 @@ def _layout(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper:
 def _empty_like_slots(layout: Any) -> list[torch.Tensor]:
     return [torch.empty(s.shape, dtype=s.dtype, device=_device(s.device))
             for s in sorted(_slots(layout), key=lambda s: s.index)]
-
-
-def _by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` grouped by dtype and device, in first-seen order (alike on both ends)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return list(groups.values())
 
 
 def _device(name: str) -> torch.device:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.comm import timeline
-from lockstep.comm.collectives import before_next_world_collective
+from lockstep.comm.stophook import before_next_world_collective
 from lockstep.comm.topology import this_host
 from lockstep.comm.world import World, current
 from lockstep.elastic import rounds

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.comm import collectives, timeline
+from lockstep.comm import stophook, timeline
 from lockstep.lowcomm.rounds import DiLoCo
 from lockstep.replication import wireformat
 from lockstep.replication.choices import refusing
@@ -165,7 +165,7 @@ class StreamingDiLoCo(DiLoCo):
         delta = self._pseudo_gradient(self.fragments[k])
         self._check_finite(k, delta)
         what = f"streaming DiLoCo fragment {k} exchange"
-        with timeline.span(f"{what} sent", "comm"), collectives.awaited_later():
+        with timeline.span(f"{what} sent", "comm"), stophook.awaited_later():
             if self.wire == "full":
                 pending = comm.all_reduce_async(delta, what, self.group)
                 received, sent = delta, delta.numel() * delta.element_size()
