@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,3 +261,30 @@ def test_a_finished_worker_stopped_on_its_way_out_still_reads_as_finished() -> N
     assert summary.startswith("lockstep run: worker rank 0 "), summary
     assert "no worker failed on its own: rank(s) 1 had finished (exit code 0)" in summary
     assert "rank 1: finished its script (exit code 0)" in summary
+
+
+def test_a_worker_stopped_while_writing_its_record_leaves_no_half_written_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher stops every worker once one fails; a worker stopped halfway through
+    writing its error record left an empty file, torchrun's reader raised JSONDecodeError,
+    and the launcher died with it instead of naming the killed worker (found by CI: a kill -9
+    of rank 1 while rank 0 was recording its lost collective)."""
+    import json
+
+    from lockstep.launch import entry
+
+    target = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))
+
+    def stopped_halfway(obj: object, f: Any) -> None:
+        f.write('{"message": ')
+        raise KeyboardInterrupt  # stands for the launcher's SIGTERM mid-write
+
+    monkeypatch.setattr(entry.json, "dump", stopped_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        entry.record("exception", "CollectiveError: lost rank 1", 1)
+    assert list(tmp_path.iterdir()) == []  # torchrun then reports the worker's exit code or signal
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(target))
+    entry.record("finished", entry.FINISHED, 0)
+    assert json.loads(target.read_text())["message"]["message"] == entry.FINISHED

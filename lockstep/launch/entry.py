@@ -55,8 +55,17 @@ def record(kind: str, message: str, code: int, callstack: str | None = None,
                                 RECORD: {"kind": kind, "code": code, "time": now, **details}}
     if callstack is not None:
         extra["py_callstack"] = callstack
-    with open(path, "w") as f:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+    # Written aside and renamed into place: the launcher stops the other workers as soon as
+    # one fails, and a worker stopped halfway through writing left an empty file that
+    # torchrun's reader (and so the launcher) died on.
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": extra}}, f)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):  # stopped before the rename: leave nothing of ours
+            os.unlink(partial)
 
 
 def main() -> None:
