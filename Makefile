@@ -32,8 +32,11 @@ etcd:
 	  { apt-get update -qq && apt-get install -y -qq --no-install-recommends etcd-server >/dev/null; }; }
 	@command -v etcd >/dev/null || { echo "make test needs etcd: apt install etcd-server"; exit 1; }
 
+# Two pytest processes: one kept about one of two cores busy (the suite's launches wait on
+# timeouts, deaths and paced steps), and a second fills the other. Each process starts the shared
+# worlds it needs (conftest.py); emulated clusters pick distinct subnets (tools/cluster.py).
 test: lint etcd
-	$(VENV)/bin/pytest -q -m "not extra"
+	$(VENV)/bin/pytest -q -m "not extra" -n 2 --dist worksteal
 
 # The integrations' launches that make test has no room for within CI's 15 minutes: Ray
 # Train on a real Ray cluster (adds the [ray] extra: ~20 s, ~500 MB; the test ~40 s) and

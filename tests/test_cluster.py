@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -57,6 +58,29 @@ def test_hosts_exist_inside_and_are_removed_even_when_a_command_fails() -> None:
     assert not {c.netns(h) for h in range(3)} & namespaces()
     assert c.bridge not in links() and f"lsv{c.tag}" not in links()
     assert not any(Path("/etc/netns", c.netns(h)).exists() for h in range(3))
+
+
+@needs_namespaces
+def test_two_clusters_whose_tags_pick_one_subnet_get_two() -> None:
+    """Tags 0001 and 00fb both map to 10.213.1: the second cluster, built while the first
+    stands (two test processes at once), takes another subnet, and each one's hosts reach
+    this machine reaches each one's hosts (before, both bridges took 10.213.1.254/24, and
+    what this machine sent to 10.213.1.x went out of one of them only)."""
+    serve = "import socket; s = socket.create_server(('', 7000)); s.accept()[0].sendall(b'%s')"
+    with Cluster(hosts=2, tag="0001") as a, Cluster(hosts=2, tag="00fb") as b:
+        assert a.subnet != b.subnet
+        for c in (a, b):
+            server = c.popen(1, [sys.executable, "-c", serve % c.tag])
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    with socket.create_connection((c.address(1), 7000), timeout=5) as s:
+                        assert s.recv(16) == c.tag.encode()
+                        break
+                except ConnectionRefusedError:  # not listening yet
+                    assert time.monotonic() < deadline, f"cluster {c.tag}: host 1 unreachable"
+                    time.sleep(0.05)
+            server.wait(timeout=30)
 
 
 @needs_namespaces

@@ -92,7 +92,16 @@ def check_script(target: str, args: list[str], monkeypatch: pytest.MonkeyPatch) 
 def check_lockstep(argv: list[str], monkeypatch: pytest.MonkeyPatch,
                    capsys: pytest.CaptureFixture[str]) -> None:
     """`lockstep ARGV` through the real command line; `run` stops before launching, and
-    `cluster` before making hosts (its command is checked for each host)."""
+    `cluster` before making hosts (its command is checked for each host), and `demo` is
+    parsed, not run (tests/test_demo.py runs it: here it trained for 40 s)."""
+    if argv[:1] == ["demo"]:
+        from lockstep.demo import demo
+
+        try:
+            demo.parse(argv[1:])
+        except SystemExit as exit:  # -h
+            assert exit.code == 0, f"lockstep {shlex.join(argv)}: {capsys.readouterr().err}"
+        return
     if argv[:1] == ["cluster"]:
         from lockstep.tools import cluster
 

@@ -18,6 +18,7 @@ whether this machine can make one, and why not.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
@@ -27,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -53,6 +54,25 @@ def parse_bandwidth(text: str) -> float:
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@contextlib.contextmanager
+def _subnets_claimed() -> Iterator[None]:
+    """Held while a cluster picks its subnet and takes it: two clusters built at once (by
+    two test processes, say) must not both pick one -- the same /24 on two bridges breaks
+    routing for both."""
+    with open("/run/lockstep-cluster-subnets.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _free_subnet(preferred: int) -> str:
+    """The first 10.213.x (x from `preferred` on) that no address on this machine is in."""
+    taken = set(re.findall(r"inet 10\.213\.(\d+)\.", _ip("-o", "-4", "addr", "show").stdout))
+    for step in range(250):
+        if str(x := (preferred + step) % 250) not in taken:
+            return f"10.213.{x}"
+    raise RuntimeError("every subnet 10.213.0-249.0/24 is taken: 250 clusters at once?")
 
 
 def cluster_available() -> str | None:
@@ -86,7 +106,7 @@ class Cluster:
         if not 1 <= self.hosts <= 250:
             raise ValueError(f"hosts must be 1..250, got {self.hosts}")
         self.rate_bps = parse_bandwidth(self.bandwidth) if self.bandwidth else None
-        # 10.213.x.0/24 with x from the tag: distinct clusters get distinct subnets.
+        # 10.213.x.0/24, x from the tag; _create moves it on if another cluster has it.
         self.subnet = f"10.213.{int(self.tag, 16) % 250}"
         self.bridge = f"lsb{self.tag}"
         self._made: list[str] = []  # what exists, for teardown
@@ -143,7 +163,9 @@ class Cluster:
         _ip("link", "set", self.bridge, "up")
         # This machine on the bridge too (.254), so it can reach the hosts' services: the
         # etcd members' health, say (the hosts reach each other the same way with or without)
-        _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+        with _subnets_claimed():
+            self.subnet = _free_subnet(int(self.subnet.rsplit(".", 1)[1]))
+            _ip("addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
         for host in range(self.hosts):
             self._create_host(host)
         if self.etcd:
