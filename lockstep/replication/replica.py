@@ -24,6 +24,7 @@ from torch import nn
 from lockstep import comm
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import current
+from lockstep.eager import eager
 from lockstep.logs import get_logger
 from lockstep.replication import memory
 from lockstep.replication.algorithms import Native
@@ -231,7 +232,7 @@ class DataParallel(nn.Module):
             self._after_forward(output)
         return output
 
-    @torch.compiler.disable  # collectives and bookkeeping stay out of a compiled graph
+    @eager  # collectives and bookkeeping stay out of a compiled graph (torch.compiler.disable)
     def _before_forward(self) -> bool:
         """Start a training forward (grad-enabled) and say whether this is one. A forward
         that activation checkpointing recomputes inside the backward it armed is not: it
@@ -246,7 +247,7 @@ class DataParallel(nn.Module):
         self._before_training_forward()
         return True
 
-    @torch.compiler.disable
+    @eager
     def _after_forward(self, output: Any) -> None:
         self.reducer.watch_outputs(output)
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
+from lockstep.eager import eager
 from lockstep.replication.outputs import find_tensors
 from lockstep.sharding.zero import FlatGroup
 
@@ -59,39 +60,50 @@ class Gatherer:
                               sub.register_forward_hook(self._after(units)),
                               sub.register_state_dict_pre_hook(self._refuse_state_dict)]
 
-    # The hooks are never traced by torch.compile (in either order of compile and shard):
-    # they run collectives and swap storage in and out, which a compiled graph would replay
-    # against storage that is no longer there. Compiled code runs between them.
+    # The hooks' work is never traced by torch.compile (in either order of compile and
+    # shard): it runs collectives and swaps storage in and out, which a compiled graph would
+    # replay against storage that is no longer there. Compiled code runs between them. Each
+    # hook calls an @eager method by name (eager.py), so it reaches its disabled form even
+    # when torch._dynamo was loaded after the hook was registered.
     def _before(self, units: list[int]) -> Callable[..., None]:
-        @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
-            for u in units:
-                self.acquire(u, backward=False)
+            self._acquire_for_forward(units)
         return hook
 
     def _after(self, units: list[int]) -> Callable[..., Any]:
-        @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            for u in units:
-                self.users[u] -= 1
-                if self.users[u] == 0 and not self._in_backward[u]:
-                    self.groups[u].release()
-            if torch.is_grad_enabled():
-                for t in find_tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._before_backward(units))
-            return output
+            return self._after_forward(units, output)
         return hook
 
     def _before_backward(self, units: list[int]) -> Callable[[torch.Tensor], None]:
-        @torch.compiler.disable
         def hook(grad: torch.Tensor) -> None:
-            self._recording = False
-            for u in units:
-                if not self._in_backward[u]:
-                    self._in_backward[u] = True
-                    self.acquire(u, backward=True)
+            self._acquire_for_backward(units)
         return hook
+
+    @eager
+    def _acquire_for_forward(self, units: list[int]) -> None:
+        for u in units:
+            self.acquire(u, backward=False)
+
+    @eager
+    def _after_forward(self, units: list[int], output: Any) -> Any:
+        for u in units:
+            self.users[u] -= 1
+            if self.users[u] == 0 and not self._in_backward[u]:
+                self.groups[u].release()
+        if torch.is_grad_enabled():
+            for t in find_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._before_backward(units))
+        return output
+
+    @eager
+    def _acquire_for_backward(self, units: list[int]) -> None:
+        self._recording = False
+        for u in units:
+            if not self._in_backward[u]:
+                self._in_backward[u] = True
+                self.acquire(u, backward=True)
 
     def acquire(self, u: int, backward: bool) -> None:
         """Make unit u whole for use, and start gathering the one expected next: the next
