@@ -2,10 +2,12 @@
 
 Two ranks (Gloo, CPU) train the same 8-layer 1024-wide MLP (8.4M parameters) with AdamW:
 
-    lockstep zero=1, 2, 3           lockstep.shard(model, k).make_optimizer(AdamW); 0: DataParallel
-    lockstep zero=1, 2, 3 shm       the same with algorithm="shm": gathers copy the shards from
-                                    host-shared memory (the other ranks' shards, mapped, are
-                                    their memory: not counted here)
+    lockstep zero=1, 2, 3           lockstep.shard(model, k).make_optimizer(AdamW); 0: DataParallel.
+                                    Its default algorithm ("auto") on one host is "shm": gathers
+                                    copy the shards from host-shared memory (the other ranks'
+                                    shards, mapped, are their memory: not counted here)
+    lockstep zero=1, 2, 3 native    the same with algorithm="native": gathers through Gloo, as
+                                    across hosts
     torch ZeRO-1                    DDP + ZeroRedundancyOptimizer(AdamW)
     torch FSDP2                     fully_shard on every layer and the root
     DeepSpeed ZeRO-1, 2, 3          deepspeed.initialize(zero_optimization.stage=k), fp32,
@@ -47,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
 from lockstep.launch.run import LaunchSpec, run
-from lockstep.sharding.hostshards import HostShards
+from lockstep.sharding.hostshards import peers_storages
 from lockstep.tools.bench import time_modes
 
 WIDTH, LAYERS, BATCH = 1024, 8, 32
@@ -73,16 +75,8 @@ def live_bytes() -> int:
             obj = obj._local_tensor
         s = obj.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
-    peers = peers_memory()
+    peers = peers_storages()
     return sum(n for ptr, n in storages.items() if ptr not in peers)
-
-
-def peers_memory() -> set[int]:
-    """The other ranks' shards that algorithm="shm" maps here: their memory, not this
-    rank's (counted by their owner)."""
-    return {shard.untyped_storage().data_ptr()
-            for obj in gc.get_objects() if isinstance(obj, HostShards)
-            for shards in obj.shards for k, shard in enumerate(shards) if k != obj.me}
 
 
 def rss_kb(field: str) -> int:
@@ -116,7 +110,7 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) ->
 
 def modes(x: torch.Tensor, deepspeed: bool) -> dict[str, Callable[[], Step]]:
     """Each mode's maker: builds the model and its optimizer, returns one training step."""
-    def lockstep_zero(stage: int, algorithm: str = "native") -> Callable[[], Step]:
+    def lockstep_zero(stage: int, algorithm: str = "auto") -> Callable[[], Step]:
         def make() -> Step:
             model = lockstep.shard(build(), stage, algorithm=algorithm) if stage \
                 else lockstep.DataParallel(build())
@@ -140,7 +134,7 @@ def modes(x: torch.Tensor, deepspeed: bool) -> dict[str, Callable[[], Step]]:
     made = {"lockstep zero=0": lockstep_zero(0), "lockstep zero=1": lockstep_zero(1),
             "lockstep zero=2": lockstep_zero(2), "lockstep zero=3": lockstep_zero(3),
             "torch ZeRO-1": torch_zero1, "torch FSDP2": fsdp2,
-            **{f"lockstep zero={k} shm": lockstep_zero(k, "shm") for k in (1, 2, 3)}}
+            **{f"lockstep zero={k} native": lockstep_zero(k, "native") for k in (1, 2, 3)}}
     if deepspeed:
         made |= {f"DeepSpeed ZeRO-{k}": deepspeed_zero(k, x) for k in (1, 2, 3)}
     return made
@@ -206,10 +200,10 @@ def report(times: dict[str, list[float]], state: dict[str, int], peaks: dict[str
           f"{state['lockstep zero=3'] / state['torch FSDP2']:.2f}x (target <= 1.00x)")
     print(f"stage 1 vs ZeroRedundancyOptimizer: "
           f"{med['torch ZeRO-1'] / med['lockstep zero=1']:.2f}x as fast (target >= 1.00x)")
-    for k, shm in itertools.product((1, 2, 3), ("", " shm")):
-        ours, theirs = f"lockstep zero={k}{shm}", f"DeepSpeed ZeRO-{k}"
+    for k, native in itertools.product((1, 2, 3), ("", " native")):
+        ours, theirs = f"lockstep zero={k}{native}", f"DeepSpeed ZeRO-{k}"
         if theirs in times:
-            print(f"stage {k}{' (shm)' if shm else ''} vs DeepSpeed: step time "
+            print(f"stage {k}{' (native)' if native else ''} vs DeepSpeed: step time "
                   f"{med[ours] / med[theirs]:.2f}x (target <= 0.60x); bytes per parameter "
                   f"{state[ours] / params:.2f} against {state[theirs] / params:.2f} "
                   f"({state[ours] / state[theirs]:.2f}x)")

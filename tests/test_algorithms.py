@@ -129,6 +129,36 @@ def test_shm_across_hosts_is_a_clear_error(two_hosts: World) -> None:
         assert f"rank {rank}:" in message and "algorithm='hierarchical'" in message
 
 
+def zero_default_algorithms() -> list[str]:
+    from lockstep.sharding.sharded import mirrored_shards
+
+    lockstep.init()
+    picked = [lockstep.shard(make_model("mlp"), 2).algorithm,
+              lockstep.shard(make_model("mlp"), 2, wire="bf16").algorithm]
+    with mirrored_shards():  # as fault tolerance builds it
+        picked.append(lockstep.shard(make_model("mlp"), 1).algorithm)
+    try:
+        lockstep.shard(make_model("mlp"), 3, algorithm="shm")
+        picked.append("shm accepted")
+    except ValueError as error:
+        picked.append(str(error))
+    return picked
+
+
+def test_zero_gathers_through_host_memory_by_default_where_the_ranks_share_one(
+        world2: World, two_hosts: World) -> None:
+    """ZeRO's algorithm="auto": shared memory where every rank is on one host (as NCCL uses
+    it inside a node), the backend where a wire is compressed, shards are mirrored for
+    fault tolerance, or the job spans hosts -- where "shm" asked for is refused."""
+    for picked in world2.run(zero_default_algorithms):
+        assert picked == ["shm", "native", "native", "shm accepted"]
+    for rank, picked in enumerate(two_hosts.run(zero_default_algorithms)):
+        assert picked[:3] == ["native"] * 3
+        assert picked[3].startswith(f"rank {rank}: ZeRO with algorithm='shm' (stage 3): it "
+                                    "shares shards through one host's memory, and this job "
+                                    "spans 2 hosts"), picked[3]
+
+
 def test_hierarchical_compresses_the_cross_host_leg(two_hosts: World) -> None:
     """The README's SyncConfig(algorithm="hierarchical", compress="bf16"): summed exactly
     inside each host, in bf16 between them -- so within bf16's precision of the exact

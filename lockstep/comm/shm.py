@@ -26,6 +26,25 @@ def shm_available() -> str | None:
     return None
 
 
+def peers_mappable(group: comm.Group) -> bool:
+    """Whether every rank of `group` can open its peers' memory files (a container may
+    forbid opening another process's /proc/PID/fd). Collective; every rank gets the same
+    answer, so that all of them choose shared memory or none does."""
+    fd = os.memfd_create("lockstep-probe", os.MFD_CLOEXEC)
+    try:
+        peers = comm.all_gather_object((os.getpid(), fd), "shm: may peers map each other",
+                                       group)
+        opened = True
+        for pid, peer_fd in peers:
+            try:
+                os.close(os.open(f"/proc/{pid}/fd/{peer_fd}", os.O_RDWR))
+            except OSError:
+                opened = False
+        return all(comm.all_gather_object(opened, "shm: did every rank map its peers", group))
+    finally:
+        os.close(fd)
+
+
 class HostMemory:
     """Allocates host-shared tensors. Collective over `group`: the ranks on this host must
     call `allocate` together, with the same sizes, in the same order."""

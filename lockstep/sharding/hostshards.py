@@ -1,4 +1,5 @@
-"""ZeRO's gathers through host-shared memory: `lockstep.shard(model, k, algorithm="shm")`.
+"""ZeRO's gathers through host-shared memory: the default where every rank of the job is on
+one host's CPU (algorithm="auto"), or asked for by `lockstep.shard(model, k, algorithm="shm")`.
 
 With every rank on one host, a shard need not travel through a socket: each rank's shards
 live in anonymous memory files that the host's other ranks map (comm/shm.py), and gathering
@@ -29,39 +30,54 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import comm
-from lockstep.comm.shm import HostBarrier, HostMemory, shm_available
+from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, shm_available
 from lockstep.comm.world import current
 
 if TYPE_CHECKING:
     from lockstep.sharding.zero import FlatGroup
 
 
-def check_one_host(group: comm.Group, stage: int, wire: str, mirror: bool) -> None:
-    """Refuse algorithm="shm" where its shards could not be shared, with the reason."""
-    rank = comm.rank_of(group)
+ALGORITHMS = ("auto", "native", "shm")
+
+
+def pick_algorithm(requested: str, group: comm.Group, stage: int, wire: str,
+                   mirror: bool) -> str:
+    """The algorithm ZeRO's gathers take. "auto" (the default) is "shm" where every rank of
+    the job shares one host's memory and the shards can live there -- as NCCL carries a
+    node's traffic through shared memory or NVLink, not its network -- and "native" (the
+    backend's sockets) everywhere else. "shm" asked for where it cannot work is refused."""
+    if requested == "native":
+        return requested
+    reason = why_not_shared(group, wire, mirror)
+    if requested == "shm" and reason is not None:
+        raise ValueError(f"rank {comm.rank_of(group)}: ZeRO with algorithm='shm' "
+                         f"(stage {stage}): {reason}")
+    if requested == "auto" and (reason is not None or comm.size_of(group) == 1
+                                or not peers_mappable(group)):
+        return "native"
+    return "shm"
+
+
+def why_not_shared(group: comm.Group, wire: str, mirror: bool) -> str | None:
+    """Why this job's shards cannot live in one host's shared memory; None if they can."""
     world = current()
-    reason = shm_available()
-    if reason is not None:
-        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm': {reason}")
+    if (reason := shm_available()) is not None:
+        return reason
     if comm.size_of(group) != world.world_size:
-        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards among all "
-                         "the job's ranks on one host, not a process group of some of them; "
-                         "use the default algorithm with group=")
+        return ("it shares shards among all the job's ranks on one host, not a process group "
+                "of some of them; use algorithm='native' with group=")
     if world.num_hosts > 1:
-        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards through one "
-                         f"host's memory, and this job spans {world.num_hosts} hosts; use the "
-                         "default algorithm across hosts")
+        return (f"it shares shards through one host's memory, and this job spans "
+                f"{world.num_hosts} hosts; use algorithm='native' across hosts")
     if world.device.type != "cpu":
-        raise ValueError(f"rank {rank}: ZeRO with algorithm='shm' shares shards in host "
-                         f"memory, and this job's parameters live on {world.device.type}; "
-                         "the backend's own gathers are the fast path there")
-    if wire != "full" or mirror:
-        raise ValueError(
-            f"rank {rank}: ZeRO with algorithm='shm' and "
-            + (f"wire={wire!r}: nothing crosses a network to compress" if wire != "full" else
-               "fault tolerance: a rank's shards would die with its memory file's last "
-               "mapping")
-            + f" (stage {stage}); use one or the other")
+        return (f"it shares shards in host memory, and this job's parameters live on "
+                f"{world.device.type}; the backend's own gathers are the fast path there")
+    if wire != "full":
+        return f"wire={wire!r}: nothing crosses a network to compress; use one or the other"
+    if mirror:
+        return ("fault tolerance: a rank's shards would die with its memory file's last "
+                "mapping; use one or the other")
+    return None
 
 
 class HostShards:
@@ -112,6 +128,17 @@ class HostShards:
         for k, shard in enumerate(self.shards[g.index]):
             if k != self.me:
                 g.flat[k * size:(k + 1) * size].copy_(shard)
+
+
+def peers_storages() -> set[int]:
+    """Where the other ranks' shards that this process maps begin (their storages' data
+    pointers): their memory, counted by their owner -- not by a count of this process's
+    live tensors (memory_report never counts them)."""
+    import gc
+
+    return {shard.untyped_storage().data_ptr()
+            for obj in gc.get_objects() if isinstance(obj, HostShards)
+            for shards in obj.shards for k, shard in enumerate(shards) if k != obj.me}
 
 
 def shared_by(groups: list[Any]) -> HostShards | None:

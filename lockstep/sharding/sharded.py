@@ -31,7 +31,7 @@ from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
 from lockstep.sharding import compressed
 from lockstep.sharding.gather import Gatherer, guard_orphans
-from lockstep.sharding.hostshards import HostShards, check_one_host
+from lockstep.sharding.hostshards import ALGORITHMS, HostShards, pick_algorithm
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.zero import (
     FlatGroup,
@@ -76,7 +76,8 @@ class ShardedDataParallel(DataParallel):
             (compressed.py: ZeRO++'s qgZ and qwZ).
         error_feedback: with a compressed wire, carry what a gradient's encoding rounded
             off into the next step (costs a full gradient bucket per rank).
-        algorithm: "native", or "shm" with every rank on one host: the shards live in
+        algorithm: "auto" (the default: "shm" where every rank is on one host's CPU,
+            else "native"), "native" (the backend's gathers), or "shm": the shards live in
             host-shared memory and a gather copies them (hostshards.py); reduce-scatters
             and stage 1's all-reduce stay on the backend.
     """
@@ -87,20 +88,20 @@ class ShardedDataParallel(DataParallel):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {stage!r}")
         compressed.check(wire, stage, error_feedback)
-        algorithm = kwargs.pop("algorithm", None) or "native"
-        if algorithm not in ("native", "shm"):
+        algorithm = kwargs.pop("algorithm", None) or "auto"
+        if algorithm not in ALGORITHMS:
             raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
-                             f"all-gather; its algorithm= is 'native' or 'shm' (gathers "
-                             f"through one host's memory), not {algorithm!r}")
+                             f"all-gather; its algorithm= is 'auto', 'native' or 'shm' "
+                             f"(gathers through one host's memory), not {algorithm!r}")
         for name in ("compress", "reduction"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"lockstep.shard reduces with its own reduce-scatter and "
                                  f"all-gather; it takes no {name}=")
-        self.stage, self._unit, self.algorithm = stage, unit, algorithm
+        self.stage, self._unit = stage, unit
         self.wire, self._error_feedback = wire, error_feedback
         self.mirror = MIRRORED.get() if mirror is None else mirror
-        if algorithm == "shm":
-            check_one_host(kwargs.get("group"), stage, wire, self.mirror)
+        self.algorithm = pick_algorithm(algorithm, kwargs.get("group"), stage, wire,
+                                        self.mirror)
         if self.mirror and wire != "full":
             raise ValueError(
                 f"rank {comm.rank_of(kwargs.get('group'))}: ZeRO with wire={wire!r} "
@@ -251,17 +252,19 @@ class ShardConfig:
     """Stages 2-3: reduce-scatters and gathers in "full" precision, "bf16" or "int8"."""
     error_feedback: bool = False
     """With a compressed wire: carry each gradient's rounding into the next step."""
-    algorithm: str = "native"
-    """"shm" with every rank on one host: gathers copy the shards from host-shared memory."""
+    algorithm: str = "auto"
+    """"shm": gathers copy the shards from host-shared memory; "native": through the
+    backend; "auto": shm where every rank is on one host's CPU, native elsewhere."""
 
     def validate(self) -> None:
         if self.stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3; got {self.stage!r}")
         check_mode(self.nonfinite)
         compressed.check(self.wire, self.stage, self.error_feedback)
-        if self.algorithm not in ("native", "shm"):
+        if self.algorithm not in ALGORITHMS:
             raise ValueError(f"ShardConfig(algorithm={self.algorithm!r}): {_OWN_COLLECTIVES}, "
-                             "through the backend ('native') or one host's memory ('shm'); "
+                             "through the backend ('native') or one host's memory ('shm'), "
+                             "or the one that fits ('auto'); "
                              "ring, tree and hierarchical are SyncConfig's")
 
     def build(self, module: nn.Module) -> ShardedDataParallel:
