@@ -122,6 +122,51 @@ def test_every_member_stops_for_joiners_at_the_step_set_even_if_its_heartbeat_la
         member.leave()
 
 
+def test_a_member_that_registers_after_its_collective_timeout_and_stack_request_is_kept(
+        ) -> None:
+    """A member blocked in a collective with a peer that left alive fails only at its
+    collective timeout, and its report then asks that peer for its stack (up to 2 s)
+    before it reaches the quorum. The leader waited timeout + dead_after_s and formed the
+    epoch without it (found by CI under load, ZeRO-3: then its shard and its mirror were
+    both gone, and the job ended)."""
+    import threading
+
+    from lockstep.comm.stall_report import STACK_WAIT_S
+    from lockstep.elastic import ElasticConfig
+    from lockstep.elastic.quorum import Coordinator
+
+    port = free_port()
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
+                                       wait_for_workers=False)
+    config = ElasticConfig(heartbeat_s=0.1, dead_after_s=0.5, collective_timeout_s=1.0)
+    leader, late = (Coordinator(f"127.0.0.1:{port}", "a", config, initial=2)
+                    for _ in range(2))
+    decided: dict[str, object] = {}
+
+    def regroup(name: str, member: Coordinator, after_s: float) -> None:
+        time.sleep(after_s)
+        now = Membership(0, (leader.id, late.id), ("a", "a"), (10, 11), 9, me=member.id)
+        try:
+            decided[name] = member.regroup(now, 9, planned=False).ids
+        except Exception as error:  # reported below
+            decided[name] = error
+
+    late_by = config.collective_timeout_s + STACK_WAIT_S * 0.75 + config.dead_after_s
+    threads = [threading.Thread(target=regroup, args=("leader", leader, 0.0)),
+               threading.Thread(target=regroup, args=("late", late, late_by))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert decided == {"leader": (leader.id, late.id), "late": (leader.id, late.id)}, \
+            decided
+    finally:
+        leader.leave()
+        late.leave()
+        store  # noqa: B018 -- the store lives until here
+
+
 def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
     """Rank 0's heartbeat vets a joiner as soon as the joiners' count moves (not at its
     next beat: a beat here is a minute), and rank 0's training thread sets the stopping

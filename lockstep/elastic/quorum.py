@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from lockstep.comm.diagnostics import connection_lost
+from lockstep.comm.stall_report import STACK_WAIT_S
 from lockstep.elastic.etcd import EtcdUnavailable
 from lockstep.elastic.heartbeat import Heartbeat, Liveness, admissible_joiners
 from lockstep.elastic.membership import Candidate, Membership, decide
@@ -256,9 +257,12 @@ class Coordinator:
                 ) -> tuple[dict[int, Candidate], list[Candidate]]:
         """Wait until each old member registered or is dead, and each joiner is seen alive
         or dead. A member alive but silent past the collective timeout is left out (it
-        will find itself excluded and join again)."""
+        will find itself excluded and join again). Silent means longer than a member
+        blocked in a collective with a peer that left can take to get here: its collective
+        fails at its timeout (a peer that departed alive keeps its sockets open), then its
+        report asks the ranks it waited for for their stacks (up to STACK_WAIT_S)."""
         liveness = Liveness(self.store, self.config.dead_after_s)
-        give_up = time.monotonic() + self.config.collective_timeout_s + \
+        give_up = time.monotonic() + self.config.collective_timeout_s + STACK_WAIT_S + \
             self.config.dead_after_s
         registered: dict[int, Candidate] = {}
         gone: set[int] = set()
