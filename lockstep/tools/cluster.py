@@ -26,16 +26,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
 
 from lockstep.logs import get_logger
 from lockstep.tools.etcd_members import EtcdMembers, Member
+from lockstep.tools.hostprocs import stream_all, wait_all
 
 log = get_logger(__name__)
 
@@ -286,7 +284,7 @@ class Cluster:
             raise ValueError(f"{len(commands)} commands for {self.hosts} hosts")
         procs = [self.popen(h, self.expand(cmd, h), extra_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE) for h, cmd in enumerate(commands)]
-        return _wait_all(procs, timeout)
+        return wait_all(procs, timeout)
 
     def stream(self, commands: Sequence[Sequence[str]], timeout: float = 600.0,
                extra_env: dict[str, str] | None = None) -> list[int]:
@@ -298,24 +296,7 @@ class Cluster:
         env = {"PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"), **(extra_env or {})}
         procs = [self.popen(h, self.expand(cmd, h), env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, bufsize=1) for h, cmd in enumerate(commands)]
-        lock = threading.Lock()  # one line at a time: hosts interleave by line, never mid-line
-        pumps = [threading.Thread(target=_pump, args=(pipe, f"[host {h}] ", sink, lock),
-                                  daemon=True)
-                 for h, p in enumerate(procs)
-                 for pipe, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr))]
-        for pump in pumps:
-            pump.start()
-        try:
-            _supervise(procs, timeout)
-            for p in procs:
-                p.wait(timeout=30)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for pump in pumps:
-                pump.join(timeout=5)
-        return [p.returncode for p in procs]
+        return stream_all(procs, [f"[host {h}] " for h in range(self.hosts)], timeout)
 
     def run_job(self, nproc: int, script: str, args: Sequence[str], port: int = 29400,
                 timeout: float = 1800.0) -> list[subprocess.CompletedProcess[str]]:
@@ -334,40 +315,6 @@ class Cluster:
         return [part.replace("{host}", str(host)).replace("{addr}", self.address(host))
                 .replace("{host0}", self.address(0)).replace("{etcd}", etcd)
                 for part in command]
-
-
-def _supervise(procs: list[subprocess.Popen[str]], timeout: float) -> None:
-    """Wait until all have exited; when one fails or time runs out, stop the rest."""
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = any(p.returncode not in (None, 0) for p in procs)
-        if failed or time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            return
-        time.sleep(0.05)
-
-
-def _pump(pipe: IO[str] | None, prefix: str, sink: IO[str], lock: threading.Lock) -> None:
-    assert pipe is not None
-    for line in pipe:
-        with lock:
-            sink.write(prefix + line)
-            sink.flush()
-
-
-def _wait_all(procs: list[subprocess.Popen[str]], timeout: float
-              ) -> list[subprocess.CompletedProcess[str]]:
-    try:
-        _supervise(procs, timeout)
-        outputs = [p.communicate(timeout=30) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, out, err)
-            for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:
