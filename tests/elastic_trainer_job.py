@@ -16,6 +16,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.data import Dataset, TensorDataset
 
 import lockstep
@@ -37,6 +41,16 @@ class RecordedSet(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._record(indices=[i])
+        return self.x[i], self.y[i]
+
+    def stepped(self, step: int) -> None:
+        """After an optimizer step: recorded at `step` (the moment a test kills this
+        worker in fail_unstepped's scenario)."""
+        if self.trainer.survival.step == step:
+            self._record(indices=[], stepped=True)
+
+    def _record(self, **what: Any) -> None:
         job = self.trainer.survival
         if self.log is None:
             self.log = (self.out / f"worker-{job.coordinator.id}.jsonl").open("a")
@@ -44,13 +58,28 @@ class RecordedSet(Dataset):
         self.log.write(json.dumps({"attempt": job.step, "epoch": job.membership.epoch,
                                    "rank": world.rank, "world": world.world_size,
                                    "worker": job.coordinator.id, "pid": os.getpid(),
-                                   "indices": [i], "time": time.time()}) + "\n")
+                                   "time": time.time(), **what}) + "\n")
         self.log.flush()
-        return self.x[i], self.y[i]
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((output - target) ** 2).mean()
+
+
+def fail_unstepped(job: Any, step: int) -> None:
+    """Rank 2 of the first membership, about to step its optimizer at `step` (after the
+    step's collectives: ZeRO-3's step has none, so the others complete it): wait until the
+    test has killed rank 1, then fail on the connection to it, as a collective of the step
+    would have -- the others completed the step, this rank did not."""
+    if job.membership.epoch != 0 or job.world.rank != 2 or job.step != step:
+        return
+    stat = Path(f"/proc/{job.membership.pids[1]}/stat")
+    deadline = time.monotonic() + 60
+    while stat.exists() and stat.read_text().split(") ")[-1][0] != "Z":
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test did not kill rank 1 within 60 s")
+        time.sleep(0.05)
+    torch.distributed.recv(torch.zeros(1), src=1)
 
 
 def main() -> None:
@@ -67,6 +96,9 @@ def main() -> None:
     p.add_argument("--collective-timeout", type=float, default=10.0)
     p.add_argument("--width", type=int, default=1, help="outputs of the model (a joiner "
                    "with another width differs from the job)")
+    p.add_argument("--unstepped-at", type=int, default=-1, help="rank 2 does not take this "
+                   "step: its optimizer waits for rank 1's death, then fails on its "
+                   "connection to it (a peer still in a step the others completed)")
     p.add_argument("--out", required=True)
     p.add_argument("--timeline", action="store_true", help="record the step timeline")
     args = p.parse_args()
@@ -105,6 +137,10 @@ def main() -> None:
                 time.sleep(0.05)
         time.sleep(args.pace)
 
+    if args.unstepped_at >= 0:
+        register_optimizer_step_pre_hook(
+            lambda *_: fail_unstepped(trainer.survival, args.unstepped_at))
+        register_optimizer_step_post_hook(lambda *_: train.stepped(args.unstepped_at))
     trainer = lockstep.Trainer(
         build, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), train,
         TensorDataset(x, y), loss_fn=mse, config=config, callbacks=[pace],

@@ -58,6 +58,28 @@ def test_decide_puts_the_newest_state_first_and_groups_hosts() -> None:
     assert "4 -> 4 workers, continuing at step 8 (regrouped in 1.2s)" in text
 
 
+def test_zero_goes_back_a_step_when_a_shard_at_the_newest_died_with_its_holders() -> None:
+    # Old ranks 0, 1, 2 of 3; rank 1 died. Rank 0 had completed step 8 (its state before
+    # it kept); rank 2 was still in it. Shard 2 lived on ranks 2 and 1 (the mirror): at
+    # step 9 nobody holds it, at step 8 every shard is held -- the job goes back to 8.
+    def shards(steps: dict[int, list[int]], epoch: int = 4) -> dict[str, object]:
+        return {"epoch": epoch, "world_size": 3,
+                "steps": {str(k): v for k, v in steps.items()}}
+
+    ahead = Candidate(0, "a", 10, step=9, rank=0, shards=shards({9: [0, 1], 8: [0, 1]}))
+    behind = Candidate(2, "b", 12, step=8, rank=2, shards=shards({8: [0, 2]}))
+    m = decide(5, [ahead, behind], [Candidate(1, "a", 11)])
+    assert m.step == 8 and m.ids == (2, 0) and m.behind == {0}
+    # Every shard at 9 survived (rank 2 had stepped too): the job goes on at 9
+    level = Candidate(2, "b", 12, step=9, rank=2, shards=shards({9: [2, 0], 8: [2, 0]}))
+    assert decide(5, [ahead, level], []).step == 9
+    # A worker left out before holds an older layout: it does not count
+    stale = Candidate(3, "a", 13, step=8, rank=1, shards=shards({8: [2]}, epoch=3))
+    assert decide(5, [ahead, stale], []).step == 9
+    # Not held at 8 either: the newest step stands, and the pool names the lost shard
+    assert decide(5, [ahead, Candidate(2, "b", 12, step=8, rank=2)], []).step == 9
+
+
 def test_the_launcher_names_a_worker_as_the_membership_does() -> None:
     # Ids are handed out as workers arrive: this host's second worker (pid 2005) came
     # last, after a worker of another host with the same pid. The launcher used to call
@@ -339,16 +361,18 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
 
 def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
                      job: str = JOB, endpoint: str | None = None,
-                     before_rejoin: Callable[[], None] = lambda: None) -> dict[str, Any]:
-    """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at`; once the survivors go
-    on without it (and `before_rejoin` ran), a second launcher adds one worker. Returns what
+                     before_rejoin: Callable[[], None] = lambda: None,
+                     stepped: bool = False) -> dict[str, Any]:
+    """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at` (once it has stepped its
+    optimizer in it, with `stepped`: its job records that); once the survivors go on
+    without it (and `before_rejoin` ran), a second launcher adds one worker. Returns what
     happened."""
     port = endpoint or free_port()
     first = _launch(out, port, nproc, args, "launcher1.err", job)
     second = None
     try:
-        victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1, 90,
-                           f"step {kill_at}")[0]
+        victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1 and
+                           (r.get("stepped") or not stepped), 90, f"step {kill_at}")[0]
         os.kill(victim["pid"], signal.SIGKILL)
         killed = time.time()
         resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
@@ -367,7 +391,8 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
 
 def _check_history(run: dict[str, Any], steps: int, global_batch: int,
                    round_steps: int = 0, order: Any = elastic_job.order,
-                   resume_within: float = 30.0, overlap: int = 0) -> list[dict[str, Any]]:
+                   resume_within: float = 30.0, overlap: int = 0, taken_back: int = 0
+                   ) -> list[dict[str, Any]]:
     """No restart, a resume (within `resume_within`), the world back to its size, every
     global batch trained exactly once by the membership that committed the step, at most
     one step redone. Returns the final records.
@@ -384,7 +409,9 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int,
     it, and a worker that dies mid-round takes its share of the round's steps with it: in
     that round each step's samples are only checked not to repeat -- and, with streaming
     DiLoCo's exchange `overlap` steps in flight, in the steps after the round until its
-    exchange was due (where the survivors find the death)."""
+    exchange was due (where the survivors find the death). Under ZeRO a step completed
+    by some may be `taken_back` (membership.decide): it is done again, and so is the one
+    after it that they had begun."""
     records, victim = run["records"], run["victim"]
     finals = [r for r in records if r.get("final")]
     nproc = run["nproc"]
@@ -417,7 +444,7 @@ def _check_history(run: dict[str, Any], steps: int, global_batch: int,
             assert used == expected, f"step {step} (victim last at {died}): {used}"
     redone = {(r["attempt"], r["epoch"]) for r in attempts} - \
         {(s, max(e for f, e in lineage if f <= s)) for s in range(steps)}
-    assert len({s for s, _ in redone}) <= 1, redone  # at most the interrupted step
+    assert len({s for s, _ in redone}) <= 1 + taken_back, redone  # the interrupted step
     return finals
 
 

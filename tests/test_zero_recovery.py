@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import lockstep
+from lockstep import comm
+from lockstep.elastic.membership import Candidate, decide
 from lockstep.sharding import recovery
 from lockstep.sharding.sharded import mirrored_shards
 from lockstep.testing import World
@@ -88,6 +90,63 @@ def take_back_a_half_taken_step(stage: int) -> list[torch.Tensor]:
     whole = model.full_state_dict()
     model.close()
     return [whole[name] for name, _ in net.named_parameters()]
+
+
+def go_back_past_a_step_a_dead_mirror_had_not_taken(stage: int) -> list[torch.Tensor]:
+    """Train STEPS_BEFORE steps mirrored, then one more that rank 0 completes (it begins
+    the next) while rank 2 has not stepped; rank 1 "dies". Shard 2 after that step lived
+    only on rank 1 (its mirror): the membership goes back to STEPS_BEFORE (decide), rank 0
+    offering the state it kept from before its last step. Rebuild and train STEPS_AFTER
+    more steps from there; returns the whole parameters."""
+    world = lockstep.init()
+    net = _net()
+    with mirrored_shards():
+        model = lockstep.shard(net, stage)
+    optimizer = model.make_optimizer(_sgd)
+    for step in range(STEPS_BEFORE):
+        optimizer.begin_step()
+        _backward(model, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.begin_step()
+    _backward(model, STEPS_BEFORE)
+    if world.rank != 2:  # (the step's own collectives are not what this is about)
+        optimizer._keep_previous()
+        optimizer.inner.step()
+    committed = STEPS_BEFORE + 1 if world.rank == 0 else STEPS_BEFORE
+    optimizer.begin_step()  # (rank 0's next attempt)
+    held = None if world.rank == 1 else \
+        recovery.hold(model.zero_groups, optimizer, epoch=0, step=committed)
+    model.abandon()
+    offers = comm.all_gather_object(None if held is None else held.shards(), "test: shards")
+    candidates = [Candidate(r, "h", 0, step=STEPS_BEFORE + (r == 0), rank=r, shards=o)
+                  for r, o in enumerate(offers) if r != 1]
+    step = decide(1, candidates, []).step
+    assert step == STEPS_BEFORE
+    pooled = recovery.pool(held, step)
+    assert pooled is not None
+    recovery.restore(net, pooled)
+    with mirrored_shards():
+        model = lockstep.shard(net, stage)
+    optimizer.rebind(model.zero_groups, model.stage, model.group)
+    recovery.load(model.zero_groups, optimizer, pooled)
+    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
+        optimizer.begin_step()
+        _backward(model, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    whole = model.full_state_dict()
+    model.close()
+    return [whole[name] for name, _ in net.named_parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_completed_where_a_dead_mirror_had_not_taken_it_is_taken_back(
+        world3: World, stage: int) -> None:
+    expected = reference(STEPS_BEFORE + STEPS_AFTER)
+    for got in world3.run(go_back_past_a_step_a_dead_mirror_had_not_taken, stage):
+        for a, b in zip(got, expected, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

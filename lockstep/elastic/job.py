@@ -115,6 +115,7 @@ class Elastic(Regrouping):
         self.config = config or ElasticConfig()
         self.backend = current().backend if dist.is_initialized() else "gloo"
         self.step = 0
+        self.reached = 0  # the most steps this worker has committed (see `collective`)
         self.lineage: list[list[int]] = []
         self.model: Any = None  # DataParallel, or a lowcomm LocalSGD / DiLoCo
         self.membership: Membership | None = None
@@ -154,7 +155,8 @@ class Elastic(Regrouping):
         that counted -- None if the step was completed by peers while this rank's attempt
         failed (it was then brought level from them). A worker the others went on without
         (it stalled) joins again and trains the step they are at: `step` then advances by
-        more than one."""
+        more than one. Under ZeRO it may go back by one instead (None is returned): a step
+        this worker had completed is taken back (membership.decide), to be trained again."""
         self._target, value = self.step, None
         self._training_thread = threading.get_ident()
         while self.step == self._target:
@@ -174,9 +176,7 @@ class Elastic(Regrouping):
     def _advance(self, train_step: Callable[[Any, int], T], value: T | None) -> T | None:
         self.completed_here = False
         if self._phase == 0:
-            begin = getattr(self.optimizer, "begin_step", None)
-            if begin is not None:  # ZeRO: whether this attempt stepped the shards
-                begin()
+            self._begin_attempt()
             if self.coordinator.grow_due(self._current(), self.step):
                 with timeline.span("regroup (admitting joiners)"):
                     self._regroup(planned=True)
@@ -213,9 +213,11 @@ class Elastic(Regrouping):
         state (an evaluation's all-reduce, a checkpoint) -- again on the new membership
         if a peer fails during it. Returns `skipped` without running it when this worker
         was left out meanwhile and joined again at a later step: the others did this work
-        without it, and are training the step it is now at."""
+        without it, and are training the step it is now at -- or when ZeRO took back a
+        step this worker had completed (membership.decide): the work after that step waits
+        until it is trained again."""
         at = self.step
-        while True:
+        while self.step >= self.reached:
             failure: Exception | None = None
             try:
                 return fn()
@@ -224,6 +226,7 @@ class Elastic(Regrouping):
             self._handle(failure)
             if self.step > at and self._rejoined:
                 return skipped
+        return skipped
 
     def _sync_round(self) -> None:
         """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
@@ -239,7 +242,16 @@ class Elastic(Regrouping):
         if not self.lineage or self.lineage[-1][1] != epoch:
             self.lineage.append([self.step, epoch])
         self.step += 1
+        self.reached = max(self.reached, self.step)
         self._phase = 0
+        # Between steps (an evaluation, a checkpoint) nothing is stepped yet either: a
+        # regroup there must not read the step just committed as one in progress
+        self._begin_attempt()
+
+    def _begin_attempt(self) -> None:
+        begin = getattr(self.optimizer, "begin_step", None)
+        if begin is not None:  # ZeRO: whether this attempt stepped the shards
+            begin()
 
     def _check_drift(self) -> None:
         if self.drift is None or not self.drift.due(self.step):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +45,8 @@ class Candidate:
     """Steps it has committed; None for a worker that has not trained yet (a joiner)."""
     rank: int | None = None
     """Its rank in the previous epoch; None for a joiner."""
+    shards: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    """ZeRO: the shards it holds at which steps (sharding/recovery.Held.shards)."""
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,12 @@ class Membership:
     hosts: tuple[str, ...]
     pids: tuple[int, ...]
     step: int
-    """The step training continues from: the most any member had committed."""
+    """The step training continues from: the most any member had committed (under ZeRO
+    possibly one less: see `decide`)."""
     behind: frozenset[int] = frozenset()
-    """Members that must receive rank 0's state: joiners, and ranks a step behind (a step
-    that some ranks completed before a peer died while these did not)."""
+    """Members that must receive rank 0's state: joiners, and ranks not at `step` (a step
+    that some ranks completed before a peer died while these did not -- or, under ZeRO,
+    that these completed and the membership takes back)."""
     joined: tuple[int, ...] = ()
     lost: tuple[tuple[int, str, int], ...] = ()
     """Members of the previous epoch that are gone: (id, host, pid)."""
@@ -103,15 +107,16 @@ class Membership:
 def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membership:
     """The next epoch from the workers present (registered members, and joiners admitted).
 
-    The continuing step is the most any member committed; the first member holding it
-    becomes rank 0, the source the others are brought level with. Ranks are grouped by
-    host (rank 0's host first), so hosts hold consecutive ranks as torchrun numbers them;
-    within a host, earlier members keep their order and joiners follow.
+    The continuing step is the most any member committed -- under ZeRO, the step before
+    when a shard at that step died with its holders (`_recoverable`); the first member
+    holding it becomes rank 0, the source the others are brought level with. Ranks are
+    grouped by host (rank 0's host first), so hosts hold consecutive ranks as torchrun
+    numbers them; within a host, earlier members keep their order and joiners follow.
     """
     if not present:
         raise ValueError("a membership needs at least one worker")
     steps = [c.step for c in present if c.step is not None]
-    step = max(steps, default=0)
+    step = _recoverable(present, max(steps, default=0))
     ordered = sorted(present, key=_seniority)
     source = next((c for c in ordered if c.step == step), ordered[0])
     hosts: list[str] = [source.host]
@@ -120,11 +125,34 @@ def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membe
             hosts.append(c.host)
     members = sorted(ordered, key=lambda c: (hosts.index(c.host), c is not source,
                                              _seniority(c)))
-    behind = frozenset(c.id for c in members if c.step is None or c.step < step)
+    behind = frozenset(c.id for c in members if c.step != step)
     return Membership(epoch, tuple(c.id for c in members), tuple(c.host for c in members),
                       tuple(c.pid for c in members), step, behind,
                       tuple(c.id for c in members if c.rank is None),
                       tuple((c.id, c.host, c.pid) for c in lost))
+
+
+def _recoverable(present: list[Candidate], step: int) -> int:
+    """The step to continue from: `step` if every ZeRO shard at it survived, else the one
+    before when every shard survived there. A peer still in the step that another had
+    completed died with the only other copy of its shard (its mirror): the members who
+    completed it go back one step -- they kept the state from before it (recovery.hold)
+    -- and the step is trained again. Otherwise `step` (the pool names what was lost)."""
+    offers = [c.shards for c in present if c.shards is not None]
+    if not offers:
+        return step
+    newest = max(o["epoch"] for o in offers)  # (a worker left out holds an older layout)
+    offers = [o for o in offers if o["epoch"] == newest]
+    world = range(offers[0]["world_size"])
+
+    def whole(at: int) -> bool:
+        held = {s for o in offers for s in o["steps"].get(str(at), [])}
+        return all(s in held for s in world)
+
+    behind = step - 1
+    if whole(step) or not whole(behind) or all(c.step != behind for c in present):
+        return step
+    return behind
 
 
 def describe(new: Membership, old: Membership | None, seconds: float,

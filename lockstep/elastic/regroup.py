@@ -53,6 +53,7 @@ class Regrouping:
     membership: Membership | None
     drift: DriftCheck | None
     step: int
+    reached: int
     lineage: list[list[int]]
     regroups: list[dict[str, Any]]
     _phase: int
@@ -73,7 +74,9 @@ class Regrouping:
             rounds.before_planned_regroup(self.model)
         self._leave_group(drop_wrapper=rewrap, failed=not planned)
         try:
-            membership = self.coordinator.regroup(previous, self.step, planned)
+            membership = self.coordinator.regroup(
+                previous, self.step, planned,
+                None if self._held is None else self._held.shards())
         except Excluded as error:
             log.warning("%s; joining again", error)  # (it names the worker)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
@@ -143,7 +146,13 @@ class Regrouping:
             if behind:
                 self._load_objects(objects)
                 self._received = True
+        if self.step > membership.step:
+            log.warning("worker %d: step %d, which it had completed, is taken back: a member "
+                        "still in it died with the only other copy of a ZeRO shard after it; "
+                        "training again from step %d", self.coordinator.id, self.step - 1,
+                        membership.step)
         self.step = membership.step
+        self.reached = max(self.reached, self.step)
         if behind:
             self._phase, self._sync_retry = 0, False
         self.coordinator.heartbeat.follow(membership, int(getattr(self.model, "every", 1)))

@@ -41,6 +41,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.stage, self.make = stage, make
         self.stepped = False  # since begin_step(): stepped (or skipped: nothing changed)
         self.previous: dict[nn.Parameter, tuple[torch.Tensor, dict[str, Any]]] | None = None
+        self.copied = False  # since begin_step(): `previous` taken (a step began)
         self._bind(groups, group, settings={})
 
     @classmethod
@@ -57,7 +58,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         keeps working after."""
         optimizer = cls.__new__(cls)
         optimizer.stage, optimizer.make, optimizer.groups, optimizer.group = 0, make, [], None
-        optimizer.stepped, optimizer.previous = False, None
+        optimizer.stepped, optimizer.previous, optimizer.copied = False, None, False
         optimizer.inner = make(list(params))
         optimizer.stepping = PiecewiseStep(optimizer.inner, make)
         return optimizer
@@ -74,7 +75,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.inner = self.make(self.stepped_params())
         self.inner.param_groups[0].update(settings)
         self.stepping = PiecewiseStep(self.inner, self.make)
-        self.stepped, self.previous = False, None
+        self.stepped, self.previous, self.copied = False, None, False
         if getattr(self.inner, "needs_whole_tensors", False):
             raise ValueError(f"rank {comm.rank_of(group)}: {type(self.inner).__name__} needs "
                              "each parameter whole (its trust ratio is a per-tensor norm); "
@@ -134,7 +135,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def begin_step(self) -> None:
         """A new attempt at a step starts: nothing stepped in it yet."""
-        self.stepped = False
+        self.stepped = self.copied = False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None  # type: ignore[override]
@@ -185,7 +186,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 old[0].copy_(p.detach())
                 for k, v in state.items():
                     old[1][k].copy_(v)
-        self.previous = kept
+        self.previous, self.copied = kept, True
 
     @torch.no_grad()
     def refresh_mirrors(self) -> None:

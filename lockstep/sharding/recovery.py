@@ -64,6 +64,13 @@ class Held:
                 "versions": {v: [(p.group, p.shard) for p in pieces]
                              for v, pieces in self.versions.items()}}
 
+    def shards(self) -> dict[str, Any]:
+        """What the quorum is told (every group is sharded alike): which shards this rank
+        holds at which step. JSON: the steps are strings."""
+        return {"epoch": self.epoch, "world_size": self.world_size,
+                "steps": {str(v): sorted({p.shard for p in pieces})
+                          for v, pieces in self.versions.items()}}
+
 
 @dataclass
 class Pool:
@@ -77,15 +84,24 @@ class Pool:
 
 def hold(groups: list[FlatGroup], optimizer: ZeroOptimizer, epoch: int, step: int) -> Held:
     """This rank's pieces, at `step` (the steps it committed) and, if its optimizer stepped
-    in the attempt at `step`, at step + 1 -- its live state -- with the copy from before."""
+    in the attempt at `step`, at step + 1 -- its live state -- with the copy from before.
+    If it did not, the copy from before its last step is the state at step - 1: the
+    membership goes back there when a peer that had not taken that step died with the
+    only other copy of a shard (membership.decide). A step that failed part-way leaves
+    only its copy from before as the state at `step`."""
     world_size = comm.size_of(optimizer.group)
     rank = comm.rank_of(optimizer.group)
     live = _pieces(groups, optimizer, rank, world_size, previous=False)
-    versions = {step: live}
+    before = _pieces(groups, optimizer, rank, world_size, previous=True) \
+        if optimizer.previous is not None else None
     if optimizer.stepped:
-        versions = {step + 1: live,
-                    step: _pieces(groups, optimizer, rank, world_size, previous=True)
-                    if optimizer.previous is not None else live}  # (skipped: unchanged)
+        versions = {step + 1: live, step: before or live}  # (skipped: unchanged)
+    elif optimizer.copied and before is not None:
+        versions = {step: before}
+    elif before is not None and step > 0:
+        versions = {step: live, step - 1: before}
+    else:
+        versions = {step: live}
     layout = [(list(g.names), list(g.offsets), g.numel) for g in groups]
     return Held(epoch, world_size, versions, numeric_settings(optimizer.param_groups[0]),
                 layout)

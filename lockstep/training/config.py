@@ -104,6 +104,14 @@ class TrainConfig:
                                   self.warmup_steps, total_steps, self.decay)
         return LRSchedule(self.lr, self.warmup_steps, 0.0, total_steps, self.decay)
 
+    def mid_epoch_eval_due(self, step: int, epoch: int, epoch_done: bool,
+                           total_steps: int) -> bool:
+        """An evaluation after `step`: eval_every_steps says so, and neither the epoch's
+        end nor the run's will evaluate there."""
+        every = self.eval_every_steps
+        return every is not None and step % every == 0 and step < total_steps and not (
+            epoch_done and epoch % self.eval_every_epochs == 0)
+
     def validate(self) -> None:
         if self.global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {self.global_batch_size}")

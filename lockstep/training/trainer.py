@@ -205,13 +205,14 @@ class Trainer:
                       self.config.trackers)
 
     def _follow_step(self) -> bool:
-        """Take the step the job reached (one more, or -- for a worker that was left out
-        and joined again -- several); True when it ended an epoch. Not 'the epoch changed':
-        a worker that jumped epochs would evaluate where the others, mid-epoch, do not."""
+        """Take the step the job reached: one more, several (a worker left out that joined
+        again), or one back (elastic ZeRO took back a step: training it again). True when
+        it ended an epoch -- not 'the epoch changed': a worker that jumped epochs would
+        evaluate where the others, mid-epoch, do not."""
         step, previous = self.survival.step, self.state.global_step
         self.state.global_step = step
         self.state.epoch, self.state.step_in_epoch = divmod(step, self.steps_per_epoch)
-        return step != previous and step % self.steps_per_epoch == 0
+        return step > previous and step % self.steps_per_epoch == 0
 
     def _follow_members(self) -> None:
         """After a regroup: the sampler takes the new rank, and the metrics and progress bar
@@ -254,7 +255,8 @@ class Trainer:
                 self._log_window(window)
                 window = Window()
             paused = time.perf_counter()
-            if self._mid_epoch_eval_due(epoch_done):
+            if self.config.mid_epoch_eval_due(self.state.global_step, self.state.epoch,
+                                              epoch_done, self.total_steps):
                 self._evaluate_and_record()
             for callback in self.callbacks:
                 callback(self)
@@ -262,6 +264,8 @@ class Trainer:
                 with timeline.span("checkpoint"):
                     self.survival.collective(self.save_checkpoint)
             window.started += time.perf_counter() - paused  # its throughput: training only
+            if self.survival.step < self.state.global_step:  # elastic ZeRO took it back
+                epoch_done = self._follow_step()  # (False: the step is trained again)
         return trained
 
     def _micro_batches(self) -> Iterator[Batch]:
@@ -377,12 +381,6 @@ class Trainer:
         self.runlog.message(f"step {self.state.global_step}: test loss {metrics['loss']:.4f}, "
                        f"test accuracy {metrics['accuracy']:.4f}")
         return metrics
-
-    def _mid_epoch_eval_due(self, epoch_done: bool) -> bool:
-        """eval_every_steps says so, and neither the epoch's end nor the run's will."""
-        every, step = self.config.eval_every_steps, self.state.global_step
-        return every is not None and step % every == 0 and step < self.total_steps and not (
-            epoch_done and self.state.epoch % self.config.eval_every_epochs == 0)
 
     def _config_record(self) -> dict[str, Any]:
         return configfile.as_record(self.config)
