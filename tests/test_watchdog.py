@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 import lockstep
 from lockstep import comm
-from lockstep.comm import CollectiveError, stacks, watchdog
+from lockstep.comm import CollectiveError, stacks, waits, watchdog
 from lockstep.comm.ledger import mismatches
 from lockstep.comm.stall_report import LEDGER_KEY, judge, verdict
 from lockstep.testing import World
@@ -442,3 +442,38 @@ def test_a_rank_that_was_itself_paused_is_told_so_not_that_the_transport_is_stuc
     assert _paused_for("Timed out waiting 10000ms for send operation to complete", 30.0) == 20.0
     assert _paused_for("Timed out waiting 10000ms for send operation to complete", 10.4) is None
     assert _paused_for("Connection closed by peer", 30.0) is None
+
+
+def wait_on_a_peer_that_left_alive(flags: str) -> tuple[str, float] | None:
+    """Rank 1 all-reduces; rank 0 never joins it and says (a file) it left. Rank 1's wait
+    asks the check each second and gives up with its reason; rank 0 then completes the
+    abandoned collective, so that the world stays in step for the next check."""
+    rank, left, gave_up = lockstep.init().rank, Path(flags) / "left", Path(flags) / "gave-up"
+    if rank == 0:
+        left.touch()
+        while not gave_up.exists():
+            time.sleep(0.01)
+        comm.all_reduce(torch.ones(1), "the abandoned collective, completed")
+        comm.barrier("after the abandoned collective")
+        return None
+    waits.watch(lambda: "rank 0 left for the next membership" if left.exists() else None)
+    started = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(1), "an all-reduce rank 0 never joins")
+    except CollectiveError as error:
+        return str(error), time.monotonic() - started
+    finally:
+        waits.watch(None)
+        gave_up.touch()
+        comm.barrier("after the abandoned collective")
+    return None
+
+
+def test_a_wait_on_a_peer_that_left_alive_is_given_up_with_the_reason(
+        world2: World, tmp_path: Path) -> None:
+    """A fault-tolerant job's member that left its group alive keeps its connections open:
+    a peer waiting on it waited out the collective's timeout (15 s by default) before."""
+    _, (message, waited) = world2.run(wait_on_a_peer_that_left_alive, str(tmp_path))
+    assert message.startswith("rank 1: an all-reduce rank 0 never joins given up after ")
+    assert message.endswith(": rank 0 left for the next membership")
+    assert waited < 5.0

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lockstep.comm import stophook, watchdog
+from lockstep.comm import stophook, waits, watchdog
 from lockstep.comm.diagnostics import explain_stall, peer_closed
 from lockstep.comm.ledger import Record, ledger
 
@@ -70,7 +70,9 @@ class Pending:
     def wait(self) -> None:
         try:
             for work in self.works:
-                work.wait()
+                waits.wait(work, self.what, self.started, self.record)
+        except waits.Abandoned as error:  # (it says why; a stall report would not)
+            raise CollectiveError(str(error)) from None
         except Exception as error:
             raise _explain(self.what, error, self.started, self.record) from error
 

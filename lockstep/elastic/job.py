@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lockstep.comm import timeline
+from lockstep.comm import timeline, waits
 from lockstep.comm.stophook import before_next_world_collective
 from lockstep.comm.topology import this_host
 from lockstep.comm.world import World, current
@@ -292,6 +292,7 @@ class Elastic(Regrouping):
 
     def finish(self) -> None:
         """Training is over on this worker: tell the job (waiting joiners exit) and leave."""
+        waits.watch(None)
         self.coordinator.finish()
         close = getattr(self.model, "close", None)
         if close is not None:

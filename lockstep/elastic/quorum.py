@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,19 @@ class Coordinator:
         self.store.set(f"host/{self.id}", json.dumps([host, os.getpid()]))
         self.store.set(f"terms/{self.id}", json.dumps(self.terms))
         self.heartbeat = Heartbeat(address, self.id, config, self.terms)
+        self._asking = threading.Lock()  # left_behind is asked from any thread that waits
+
+    def left_behind(self, epoch: int) -> str | None:
+        """Why a collective of `epoch`'s group can no longer complete -- a member left it
+        for the next membership's quorum, and will not take part -- or None. Asked by a
+        collective's wait each second it waits (comm/waits.py)."""
+        try:
+            with self._asking:
+                began = self.store.check([f"q/{epoch + 1}/n"])
+        except Exception:  # (the store's trouble: the collective's own timeout applies)
+            return None
+        return f"a member left epoch {epoch}'s group to agree on the next one" if began \
+            else None
 
     # ---- entering, leaving --------------------------------------------------------------
 

@@ -11,6 +11,7 @@ rank 0 (handover.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 import weakref
@@ -20,6 +21,7 @@ from typing import Any
 
 from torch import nn
 
+from lockstep.comm import waits
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.world import current, retire_default_group
 from lockstep.elastic import rounds
@@ -126,6 +128,11 @@ class Regrouping:
         self.membership = membership
         install(membership, self.coordinator.base, self.backend,
                 timedelta(seconds=self.config.collective_timeout_s))
+        # A member that leaves this group alive keeps its connections open: a collective
+        # waiting on it is given up once it is seen gone to the next quorum, not at timeout.
+        # (Gloo's: a wait with a timeout would block NCCL's host thread on the GPU's work.)
+        if self.backend == "gloo":
+            waits.watch(functools.partial(self.coordinator.left_behind, membership.epoch))
         # ZeRO's shards (a collective: every worker of a ZeRO job has a ZeroOptimizer, the
         # terms agreed on it); a replicated job has nothing to pool
         pooled = recovery.pool(self._held, membership.step) \
