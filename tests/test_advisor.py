@@ -21,8 +21,10 @@ from lockstep.advisor.predict import (
     predict,
     predict_all,
 )
-from lockstep.advisor.wire import WireCost
+from lockstep.advisor.wire import WireCost, measure_wire
 from lockstep.replication.sync import SyncConfig
+from lockstep.sharding.sharded import ShardConfig
+from lockstep.testing import World
 
 MS = 1e-3
 # A 256x256 weight and its bias: the bias's gradient is ready 5 ms into backward, the
@@ -90,6 +92,39 @@ def test_zero_stages_hold_what_zero_says() -> None:
     assert by_name["sync topk"].state_bytes == p + g + s + g  # error feedback
     # Stages 1-2 step half the optimizer and then gather the parameters.
     assert by_name["ZeRO-2"].compute_s == pytest.approx(31 * MS)
+
+
+def test_zero_on_one_host_gathers_through_shared_memory_as_its_default_does() -> None:
+    # One host of 2 CPU ranks: ZeRO's default (algorithm="auto") gathers through host
+    # memory, here 10x faster than through the sockets; "native" and 2 hosts keep them.
+    sockets = {1: 1 * MS, 1 << 30: 1000 * MS}
+    timed = {"reduce-scatter": sockets, "all-reduce native": sockets, "shard gather": sockets,
+             "shard gather shm": {1: 0.1 * MS, 1 << 30: 100 * MS}}
+    one_host, two_hosts = WireCost(timed, 2, 2), WireCost(timed, 2, 1)
+    unit = 4 * MODEL.unit_numels[0]
+    for stage in (2, 3):
+        shared = predict(Mode("", EXACT, ShardConfig(stage=stage)), MODEL, one_host).step_s
+        native = predict(Mode("", EXACT, ShardConfig(stage=stage, algorithm="native")), MODEL,
+                         one_host).step_s
+        across = predict(Mode("", EXACT, ShardConfig(stage=stage)), MODEL, two_hosts).step_s
+        gathers = 1 if stage == 2 else 2  # after the step; before forward and in backward
+        saved = gathers * (one_host.time("shard gather", unit) -
+                           one_host.time("shard gather shm", unit))
+        assert native - shared == pytest.approx(saved) and across == pytest.approx(native)
+    # Where the ranks could not map each other's memory, the shared kind was not timed
+    del timed["shard gather shm"]
+    assert predict(Mode("", EXACT, ShardConfig(stage=3)), MODEL, WireCost(timed, 2, 2)).step_s \
+        == pytest.approx(native)
+
+
+def measure_shared_gather() -> dict[int, float]:
+    wire = measure_wire([("shard gather shm", 1 << 20)], local_world_size=2, budget_s=0.02)
+    return wire.timed["shard gather shm"]
+
+
+def test_the_shared_memory_gather_is_timed_on_the_job_s_own_ranks(world2: World) -> None:
+    for timed in world2.run(measure_shared_gather):
+        assert list(timed) == [1 << 20] and 0 < timed[1 << 20] < 1.0
 
 
 def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:

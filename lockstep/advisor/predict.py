@@ -30,7 +30,9 @@ from lockstep.advisor.wire import (
     ALL_GATHER,
     ALL_REDUCE,
     GATHER_SHARDS,
+    GATHER_SHM,
     REDUCE_SCATTER,
+    Asking,
     WireCost,
     algorithms_for,
 )
@@ -120,13 +122,13 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     optimizer = model.optimizer_s / n if isinstance(config, ShardConfig) else model.optimizer_s
     compute = model.compute_s + optimizer + model.wrapper_s  # (lockstep's own work too)
     if isinstance(config, ShardConfig) and config.stage == 3:
-        step, sent = _zero3(model, wire)
+        step, sent = _zero3(model, wire, config)
         return Prediction(mode, step + optimizer + model.wrapper_s, compute, sent, state)
     buckets = _buckets(model, config)
     durations, sent = _bucket_times(config, model, wire, buckets)
     after = 0.0
     if isinstance(config, ShardConfig):  # the parameters all-gathered after the step
-        after = sum(wire.time(GATHER_SHARDS, b) for b in _sizes(model, buckets))
+        after = sum(_gather(config, wire, b) for b in _sizes(model, buckets))
         sent += S
     ready = [max(model.ready_s[i] for i in b) for b in buckets]
     backward_end = _pipeline(ready, durations, model.backward_s)
@@ -189,7 +191,19 @@ def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
             for k, s in zip(picks, sizes, strict=True)], float(sum(picks) * 8)
 
 
-def _zero3(model: ModelCost, wire: WireCost) -> tuple[float, float]:
+def _gather(config: ShardConfig, wire: WireCost, nbytes: int) -> float:
+    """Seconds for one of ZeRO's gathers: through host memory where algorithm="auto" (or
+    "shm") takes it -- every rank on one host's CPU (sharding/hostshards.py; measure_wire
+    times it only there) -- else through the backend's sockets."""
+    shared = config.algorithm != "native" and wire.world_size == wire.local_world_size
+    if shared and isinstance(wire, Asking):
+        wire.time(GATHER_SHARDS, nbytes)  # (asked too: where memory cannot be shared)
+    elif shared and GATHER_SHM not in wire.timed:
+        shared = False
+    return wire.time(GATHER_SHM if shared else GATHER_SHARDS, nbytes)
+
+
+def _zero3(model: ModelCost, wire: WireCost, config: ShardConfig) -> tuple[float, float]:
     """Forward and backward at stage 3, and its payload. Each unit is gathered before its
     forward and again in backward, where its gradient is also reduce-scattered. On a GPU
     the next unit's gather is prefetched while the current one computes, so gathers after
@@ -198,7 +212,7 @@ def _zero3(model: ModelCost, wire: WireCost) -> tuple[float, float]:
     thread, and little hides: on 2 emulated hosts at 1 Gbit/s the char-GPT measured 220 ms
     a step where hiding would have made it 117; the sum of the two made it 205."""
     units = [n * model.element_size for n in model.unit_numels]
-    gather = [wire.time(GATHER_SHARDS, u) for u in units]
+    gather = [_gather(config, wire, u) for u in units]
     scatter = [wire.time(REDUCE_SCATTER, u) for u in units]
     if model.device == "cuda":
         forward = gather[0] + max(model.forward_s, sum(gather[1:]))

@@ -19,6 +19,8 @@ import torch
 
 from lockstep import comm
 from lockstep.advisor.costmodel import bus_bandwidth, slowest_median, time_reduction
+from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, shm_available
+from lockstep.comm.world import current
 from lockstep.replication.choices import make_algorithm
 from lockstep.replication.compress import HALF_DTYPES
 
@@ -26,6 +28,10 @@ ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all-reduce", "reduce-scatter", "all-ga
 GATHER_SHARDS = "shard gather"
 """ZeRO's gather of parameter shards into the whole (comm.gather_shards_async: on Gloo one
 broadcast per owner, which costs what an all-gather does not on a slow link)."""
+GATHER_SHM = "shard gather shm"
+"""The same through host-shared memory (ZeRO's algorithm="auto" where every rank is on one
+host's CPU, sharding/hostshards.py): a copy of each peer's shard, then a host barrier.
+Timed only where the ranks can map each other's memory; else absent (the sockets' apply)."""
 Kind = str
 """ALL_REDUCE + " " + an algorithm ("all-reduce native"), and a 16-bit dtype where the
 buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER,
@@ -107,6 +113,12 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
                 timed[kind] = {n: time_reduction(algorithm, n, budget_s) for n in sizes}
             finally:
                 algorithm.close()
+        elif kind == GATHER_SHM:
+            if comm.size_of() == local_world_size and current().device.type == "cpu" and \
+                    shm_available() is None and peers_mappable(None):
+                memory = HostMemory(None)
+                timed[kind] = {n: slowest_median(_gather_shm(n, memory), budget_s, 100)
+                               for n in sizes}
         else:
             start = {REDUCE_SCATTER: _reduce_scatter, ALL_GATHER: _all_gather,
                      GATHER_SHARDS: _gather_shards}[kind]
@@ -133,6 +145,20 @@ def _reduce_scatter(nbytes: int) -> Callable[[], object]:
 def _all_gather(nbytes: int) -> Callable[[], object]:
     whole, mine = _buffers(nbytes)
     return lambda: comm.all_gather_into(whole, mine, "advisor: all-gather probe")
+
+
+def _gather_shm(nbytes: int, memory: HostMemory) -> Callable[[], object]:
+    """As HostShards.gather and the barrier after it: every peer's shard copied in."""
+    whole, mine = _buffers(nbytes)
+    shards = memory.allocate(mine.numel(), mine.dtype)
+    barrier = HostBarrier(memory, current().timeout.total_seconds())
+
+    def gather() -> None:
+        for k, shard in enumerate(shards):
+            if k != memory.local_rank:
+                whole[k * shard.numel():(k + 1) * shard.numel()].copy_(shard)
+        barrier.wait("advisor: shared-memory gather probe")
+    return gather
 
 
 def _gather_shards(nbytes: int) -> Callable[[], object]:
