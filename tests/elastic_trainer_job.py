@@ -99,6 +99,9 @@ def main() -> None:
     p.add_argument("--unstepped-at", type=int, default=-1, help="rank 2 does not take this "
                    "step: its optimizer waits for rank 1's death, then fails on its "
                    "connection to it (a peer still in a step the others completed)")
+    p.add_argument("--eval-every", type=int, default=10, help="0: at epochs' ends only")
+    p.add_argument("--log-every", type=int, default=5)
+    p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--out", required=True)
     p.add_argument("--timeline", action="store_true", help="record the step timeline")
     args = p.parse_args()
@@ -114,10 +117,10 @@ def main() -> None:
         parallel = lockstep.ShardConfig(stage=int(args.mode[-1]))
     config = lockstep.TrainConfig(
         global_batch_size=args.global_batch, max_steps=args.steps, epochs=100,
-        run_dir=str(out / "run"), log_every_steps=5, progress=False, trackers=(),
-        eval_every_steps=10, parallel=parallel,
+        run_dir=str(out / "run"), log_every_steps=args.log_every, progress=False, trackers=(),
+        eval_every_steps=args.eval_every or None, parallel=parallel,
         timeline=str(out / "timeline.json") if args.timeline else None,
-        checkpoint=CheckpointConfig(every_steps=10, keep=20),
+        checkpoint=CheckpointConfig(every_steps=args.checkpoint_every, keep=20),
         elastic=ElasticConfig(heartbeat_s=0.1, dead_after_s=1.5,
                               collective_timeout_s=args.collective_timeout,
                               join_timeout_s=60.0, check_every=0))

@@ -59,18 +59,23 @@ def control_tensor(values: Sequence[float] | Sequence[int], group: Group = None,
 class Pending:
     """An asynchronous collective and what it is, for the error message if it fails."""
 
-    __slots__ = ("record", "started", "what", "works")
+    __slots__ = ("collective", "record", "started", "what", "works")
 
-    def __init__(self, work: dist.Work | Sequence[dist.Work], what: str) -> None:
+    def __init__(self, work: dist.Work | Sequence[dist.Work], what: str,
+                 collective: bool = True) -> None:
         self.works = list(work) if isinstance(work, Sequence) else [work]
         self.what, self.started = what, time.monotonic()
+        self.collective = collective  # (a send or receive is waited on whole: waits.py)
         last = ledger.last  # what _run just issued for it, if the watchdog is on
         self.record = last if last is not None and last.label == what else None
 
     def wait(self) -> None:
         try:
             for work in self.works:
-                waits.wait(work, self.what, self.started, self.record)
+                if self.collective:
+                    waits.wait(work, self.what, self.started, self.record)
+                else:
+                    work.wait()
         except waits.Abandoned as error:  # (it says why; a stall report would not)
             raise CollectiveError(str(error)) from None
         except Exception as error:
@@ -276,11 +281,11 @@ def barrier(what: str, group: Group = None) -> None:
 
 
 def isend(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> Pending:
-    return Pending(_run(what, dist.isend, tensor, dst, group=group), what)
+    return Pending(_run(what, dist.isend, tensor, dst, group=group), what, collective=False)
 
 
 def irecv(tensor: torch.Tensor, src: int, what: str, group: Group = None) -> Pending:
-    return Pending(_run(what, dist.irecv, tensor, src, group=group), what)
+    return Pending(_run(what, dist.irecv, tensor, src, group=group), what, collective=False)
 
 
 def send(tensor: torch.Tensor, dst: int, what: str, group: Group = None) -> None:

@@ -8,6 +8,9 @@ no socket), so a rank waiting on it would wait out the collective's whole timeou
 second, and after each the check says whether waiting is still of use; once it names a
 reason, the wait fails with it. The collective itself is left to the backend's thread (a
 new group is formed anyway). Nothing changes while no check is set.
+
+Collectives only: a Gloo send or receive waited on with a timeout fails for good when it
+expires (and closes the group's connections), so those are waited on whole.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def wait(work: dist.Work, what: str, started: float, record: Record | None) -> N
             if _SLICE_ENDED not in str(error):
                 raise  # the collective's own failure
         reason = check()
-        if reason is not None:
+        if reason is not None and not work.is_completed():  # (it may have, meanwhile)
             if record is not None:
                 record.done = True
             raise Abandoned(f"rank {dist.get_rank()}: {what} given up after "

@@ -271,11 +271,13 @@ class Elastic(Regrouping):
         itself -- or raise: any other error, or too many failures in a row."""
         while True:
             if not membership_failure(error):
+                waits.watch(None)  # (no membership to watch past this error)
                 raise error
             self._failures += 1
             if self._failures > self.config.max_retries:
                 log.error("rank %d: step %d failed %d times in a row; giving up",
                           self.world.rank, self.step, self._failures)
+                waits.watch(None)
                 raise error
             what = "entering the job" if self._entering else f"step {self.step}"
             log.warning("rank %d: %s was interrupted (%s); regrouping", self.world.rank, what,

@@ -91,18 +91,31 @@ class Coordinator:
         self.store.set(f"terms/{self.id}", json.dumps(self.terms))
         self.heartbeat = Heartbeat(address, self.id, config, self.terms)
         self._asking = threading.Lock()  # left_behind is asked from any thread that waits
+        self._asked: threading.Thread | None = None
+        self._left = -1  # the newest epoch some member is known to have left
 
     def left_behind(self, epoch: int) -> str | None:
         """Why a collective of `epoch`'s group can no longer complete -- a member left it
         for the next membership's quorum, and will not take part -- or None. Asked by a
-        collective's wait each second it waits (comm/waits.py)."""
+        collective's wait each second it waits (comm/waits.py). It never blocks that wait
+        (a store that does not answer would hold it past the collective's timeout): the
+        store is asked on a thread of its own, and its answer read the next time."""
+        with self._asking:
+            if self._left >= epoch:
+                return f"a member left epoch {epoch}'s group to agree on the next one"
+            if self._asked is None or not self._asked.is_alive():
+                self._asked = threading.Thread(target=self._ask_left, args=(epoch,),
+                                               name="lockstep-left-behind", daemon=True)
+                self._asked.start()
+        return None
+
+    def _ask_left(self, epoch: int) -> None:
         try:
-            with self._asking:
-                began = self.store.check([f"q/{epoch + 1}/n"])
-        except Exception:  # (the store's trouble: the collective's own timeout applies)
-            return None
-        return f"a member left epoch {epoch}'s group to agree on the next one" if began \
-            else None
+            if self.store.check([f"q/{epoch + 1}/n"]):
+                self._left = max(self._left, epoch)
+        except Exception as error:  # (the store's trouble: the collective's timeout applies)
+            log.debug("worker %d: asking whether epoch %d was left failed: %s", self.id,
+                      epoch, error)
 
     # ---- entering, leaving --------------------------------------------------------------
 
@@ -164,6 +177,8 @@ class Coordinator:
         """The job is done: say so (waiting joiners exit) and leave. Training is over
         whether or not the store still answers: a store gone is only reported."""
         self.heartbeat.stop()
+        if self._asked is not None:  # (a thread inside a store call at exit aborts)
+            self._asked.join(timeout=self.config.collective_timeout_s)
         try:
             self.store.set("done", "1")
             self.store.set(f"left/{self.id}", "1")

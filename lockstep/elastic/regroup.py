@@ -155,9 +155,9 @@ class Regrouping:
                 self._received = True
         if self.step > membership.step:
             log.warning("worker %d: step %d, which it had completed, is taken back: a member "
-                        "still in it died with the only other copy of a ZeRO shard after it; "
-                        "training again from step %d", self.coordinator.id, self.step - 1,
-                        membership.step)
+                        "that had not completed it lost the only other copy of its ZeRO shard "
+                        "with the worker that died; training again from step %d",
+                        self.coordinator.id, self.step - 1, membership.step)
         self.step = membership.step
         self.reached = max(self.reached, self.step)
         if behind:

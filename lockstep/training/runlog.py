@@ -74,6 +74,23 @@ class RunLog:
                 self._bar.set_postfix(shown, refresh=False)
             self._bar.update(steps)
 
+    def train_window(self, step: int, epoch: int, loss: float, window: Window,
+                     global_batch: int, wire: dict[str, Any], lr: float,
+                     **extra: float) -> None:
+        """A logged window of training: its line in metrics.jsonl (and the trackers), and
+        its figures on the progress bar."""
+        speed = window.steps * global_batch / max(window.elapsed(), 1e-9)
+        if "skipped_steps" in wire:
+            extra["skipped_steps"] = wire["skipped_steps"]
+        self.record("train", step, loss=loss, samples_per_s=speed, lr=lr, epoch=epoch,
+                    bytes_sent=wire["bytes_sent"], compression=wire["compression_ratio"],
+                    **extra)
+        shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
+                 "sent/step": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
+        if wire["compression_ratio"] > 1.0:
+            shown["compression"] = f"{wire['compression_ratio']:.1f}x"
+        self.progress(0, **shown)
+
     def message(self, text: str) -> None:
         if not self.is_main:
             return

@@ -164,19 +164,9 @@ class Trainer:
             self.survival.finish()
             return summary
         self.runlog = self._open_runlog()
-        samples, seconds = 0, 0.0  # training only: evaluation and checkpoints excluded
         self.tracing = tracing.Tracing(self.config.timeline)
         try:
-            while self.state.global_step < self.total_steps:
-                started, saving = time.perf_counter(), self.checkpoints.seconds
-                samples += self._train_epoch()
-                seconds += time.perf_counter() - started - (self.checkpoints.seconds - saving)
-                finished = self.state.global_step >= self.total_steps
-                if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
-                    self._evaluate_and_record()
-            # every replica identical before the last evaluation
-            self.survival.collective(lambda: self.model.finish())
-            metrics = self._evaluate_and_record()
+            samples, seconds, metrics = self._train_to_end()
             self.timeline = self.tracing.finish(self.survival)
         finally:
             timeline.activate(None)
@@ -186,6 +176,26 @@ class Trainer:
         summary = self._summary(samples / seconds if samples else 0.0, metrics)
         self.survival.finish()
         return summary
+
+    def _train_to_end(self) -> tuple[int, float, dict[str, float]]:
+        """Every epoch, the final sync and evaluation -- and again from a step elastic ZeRO
+        took back meanwhile. Samples and seconds of training only, and the metrics."""
+        samples, seconds = 0, 0.0
+        while True:
+            while self.state.global_step < self.total_steps:
+                started, saving = time.perf_counter(), self.checkpoints.seconds
+                samples += self._train_epoch()
+                seconds += time.perf_counter() - started - (self.checkpoints.seconds - saving)
+                finished = self.state.global_step >= self.total_steps
+                if not finished and self.state.epoch % self.config.eval_every_epochs == 0:
+                    self._evaluate_and_record()
+                self._follow_step()  # (back, if elastic ZeRO took a step back meanwhile)
+            # every replica identical before the last evaluation
+            self.survival.collective(lambda: self.model.finish())
+            metrics = self._evaluate_and_record()
+            if self.survival.step >= self.state.global_step:
+                return samples, seconds, metrics
+            self._follow_step()  # a step taken back at the end: trained again
 
     def _start(self) -> None:
         """Where this run starts: its checkpoint (or the beginning), read by every worker;
@@ -341,24 +351,15 @@ class Trainer:
             return float(mean.item()) / self.world.world_size
 
         loss = self.survival.collective(average)
-        if loss is None:  # left out meanwhile: the others logged this window
+        if loss is None:  # left out meanwhile (the others logged this window), or taken back
             return
-        speed = window.steps * self.config.global_batch_size / max(window.elapsed(), 1e-9)
         wire = self.model.comm_stats()
         extra = {"loss_scale": self.scaler.scale_value} if self.scaler else {}
-        if "skipped_steps" in wire:
-            extra["skipped_steps"] = wire["skipped_steps"]
-        self.runlog.record("train", self.state.global_step, loss=loss, samples_per_s=speed,
-                           lr=float(self.optimizer.param_groups[0]["lr"]),
-                           epoch=self.state.epoch, bytes_sent=wire["bytes_sent"],
-                           compression=wire["compression_ratio"], **extra)
+        self.runlog.train_window(self.state.global_step, self.state.epoch, loss, window,
+                                 self.config.global_batch_size, wire,
+                                 float(self.optimizer.param_groups[0]["lr"]), **extra)
         self.tracing.window(self.survival, self.runlog, self.state.global_step, window.steps,
                             wire["bytes_sent"])
-        shown = {"loss": f"{loss:.4f}", "samples_s": f"{speed:.0f}",
-                 "sent/step": f"{wire['bytes_sent'] / 1e6:.2f}MB"}
-        if wire["compression_ratio"] > 1.0:
-            shown["compression"] = f"{wire['compression_ratio']:.1f}x"
-        self.runlog.progress(0, **shown)
 
     # ---- evaluation and checkpoints ------------------------------------------------------
 
