@@ -54,8 +54,11 @@ def wait(work: dist.Work, what: str, started: float, record: Record | None) -> N
         except RuntimeError as error:
             if _SLICE_ENDED not in str(error):
                 raise  # the collective's own failure
+        if work.is_completed():  # meanwhile: its own outcome (a failure raises here)
+            work.wait()
+            return
         reason = check()
-        if reason is not None and not work.is_completed():  # (it may have, meanwhile)
+        if reason is not None:
             if record is not None:
                 record.done = True
             raise Abandoned(f"rank {dist.get_rank()}: {what} given up after "
