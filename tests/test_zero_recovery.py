@@ -4,6 +4,8 @@ holds nothing (dead, or a joiner), and a shard no one holds."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +14,7 @@ import lockstep
 from lockstep import comm
 from lockstep.elastic.membership import Candidate, decide
 from lockstep.sharding import recovery
+from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.sharded import mirrored_shards
 from lockstep.testing import World
 
@@ -51,13 +54,8 @@ def reference(steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in net.parameters()]
 
 
-def take_back_a_half_taken_step(stage: int) -> list[torch.Tensor]:
-    """Train STEPS_BEFORE steps mirrored; in the next, rank 0 steps its shards and rank 1
-    does not; then rank 2 "dies" -- it offers nothing, as a joiner would -- and the pool
-    must give back the state at STEPS_BEFORE, rank 2's shard from rank 1's mirror. Rebuild
-    and train STEPS_AFTER more steps; returns the whole parameters."""
-    world = lockstep.init()
-    net = _net()
+def _train_to_the_step_under_test(net: nn.Module, stage: int) -> tuple[Any, ZeroOptimizer]:
+    """Mirrored ZeRO at `stage`: STEPS_BEFORE steps, then the backward of the next."""
     with mirrored_shards():
         model = lockstep.shard(net, stage)
     optimizer = model.make_optimizer(_sgd)
@@ -68,6 +66,37 @@ def take_back_a_half_taken_step(stage: int) -> list[torch.Tensor]:
         optimizer.zero_grad()
     optimizer.begin_step()
     _backward(model, STEPS_BEFORE)
+    return model, optimizer
+
+
+def _resume_from_the_pool(net: nn.Module, stage: int, optimizer: ZeroOptimizer,
+                          held: recovery.Held | None, step: int) -> list[torch.Tensor]:
+    """Pool what the ranks held at `step`, rebuild the wrapper from it, train to
+    STEPS_BEFORE + STEPS_AFTER; the whole parameters."""
+    pooled = recovery.pool(held, step)
+    assert pooled is not None
+    recovery.restore(net, pooled)
+    with mirrored_shards():
+        model = lockstep.shard(net, stage)
+    optimizer.rebind(model.zero_groups, model.stage, model.group)
+    recovery.load(model.zero_groups, optimizer, pooled)
+    for at in range(step, STEPS_BEFORE + STEPS_AFTER):
+        optimizer.begin_step()
+        _backward(model, at)
+        optimizer.step()
+        optimizer.zero_grad()
+    whole = model.full_state_dict()
+    model.close()
+    return [whole[name] for name, _ in net.named_parameters()]
+
+
+def take_back_a_half_taken_step(stage: int) -> list[torch.Tensor]:
+    """Train STEPS_BEFORE steps mirrored; in the next, rank 0 steps its shards and rank 1
+    does not; then rank 2 "dies" -- it offers nothing, as a joiner would -- and the pool
+    must give back the state at STEPS_BEFORE, rank 2's shard from rank 1's mirror. Rebuild
+    and train STEPS_AFTER more steps; returns the whole parameters."""
+    world, net = lockstep.init(), _net()
+    model, optimizer = _train_to_the_step_under_test(net, stage)
     if world.rank == 0:  # its step ran; the gather after it "failed"
         optimizer._keep_previous()
         optimizer.inner.step()
@@ -75,21 +104,7 @@ def take_back_a_half_taken_step(stage: int) -> list[torch.Tensor]:
     held = None if world.rank == 2 else \
         recovery.hold(model.zero_groups, optimizer, epoch=0, step=STEPS_BEFORE)
     model.abandon()
-    pooled = recovery.pool(held, STEPS_BEFORE)
-    assert pooled is not None
-    recovery.restore(net, pooled)
-    with mirrored_shards():
-        model = lockstep.shard(net, stage)
-    optimizer.rebind(model.zero_groups, model.stage, model.group)
-    recovery.load(model.zero_groups, optimizer, pooled)
-    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        optimizer.begin_step()
-        _backward(model, step)
-        optimizer.step()
-        optimizer.zero_grad()
-    whole = model.full_state_dict()
-    model.close()
-    return [whole[name] for name, _ in net.named_parameters()]
+    return _resume_from_the_pool(net, stage, optimizer, held, STEPS_BEFORE)
 
 
 def go_back_past_a_step_a_dead_mirror_had_not_taken(stage: int) -> list[torch.Tensor]:
@@ -98,18 +113,8 @@ def go_back_past_a_step_a_dead_mirror_had_not_taken(stage: int) -> list[torch.Te
     only on rank 1 (its mirror): the membership goes back to STEPS_BEFORE (decide), rank 0
     offering the state it kept from before its last step. Rebuild and train STEPS_AFTER
     more steps from there; returns the whole parameters."""
-    world = lockstep.init()
-    net = _net()
-    with mirrored_shards():
-        model = lockstep.shard(net, stage)
-    optimizer = model.make_optimizer(_sgd)
-    for step in range(STEPS_BEFORE):
-        optimizer.begin_step()
-        _backward(model, step)
-        optimizer.step()
-        optimizer.zero_grad()
-    optimizer.begin_step()
-    _backward(model, STEPS_BEFORE)
+    world, net = lockstep.init(), _net()
+    model, optimizer = _train_to_the_step_under_test(net, stage)
     if world.rank != 2:  # (the step's own collectives are not what this is about)
         optimizer._keep_previous()
         optimizer.inner.step()
@@ -123,21 +128,7 @@ def go_back_past_a_step_a_dead_mirror_had_not_taken(stage: int) -> list[torch.Te
                   for r, o in enumerate(offers) if r != 1]
     step = decide(1, candidates, []).step
     assert step == STEPS_BEFORE
-    pooled = recovery.pool(held, step)
-    assert pooled is not None
-    recovery.restore(net, pooled)
-    with mirrored_shards():
-        model = lockstep.shard(net, stage)
-    optimizer.rebind(model.zero_groups, model.stage, model.group)
-    recovery.load(model.zero_groups, optimizer, pooled)
-    for step in range(STEPS_BEFORE, STEPS_BEFORE + STEPS_AFTER):
-        optimizer.begin_step()
-        _backward(model, step)
-        optimizer.step()
-        optimizer.zero_grad()
-    whole = model.full_state_dict()
-    model.close()
-    return [whole[name] for name, _ in net.named_parameters()]
+    return _resume_from_the_pool(net, stage, optimizer, held, step)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
