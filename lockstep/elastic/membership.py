@@ -134,10 +134,11 @@ def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membe
 
 def _recoverable(present: list[Candidate], step: int) -> int:
     """The step to continue from: `step` if every ZeRO shard at it survived, else the one
-    before when every shard survived there. A peer still in the step that another had
-    completed died with the only other copy of its shard (its mirror): the members who
-    completed it go back one step -- they kept the state from before it (recovery.hold)
-    -- and the step is trained again. Otherwise `step` (the pool names what was lost)."""
+    before when every shard survived there: a worker that had completed the step died
+    holding the only copy of a shard after it (the mirror of a peer still in the step),
+    so the members who completed it go back one step -- they kept the state from before
+    it (recovery.hold) -- and the step is trained again. Otherwise `step` (the pool
+    names what was lost)."""
     offers = [c.shards for c in present if c.shards is not None]
     if not offers:
         return step
