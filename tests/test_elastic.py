@@ -356,7 +356,9 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
         if found:
             return found
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {why}")
+    logs = sorted(out.glob("*.log"))  # the launcher's, where the job says what it did
+    tail = "".join(f"\n--- {log.name}, its end:\n{log.read_text()[-3000:]}" for log in logs)
+    raise AssertionError(f"timed out waiting for {why}{tail}")
 
 
 def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,

@@ -430,7 +430,8 @@ def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
     assert re.match(rf"lockstep run: worker rank 2 \(local rank 2, pid {pid}\) stalled: rank "
                     rf"[01] waited for it until its collective timed out; {re.escape(end)}; "
                     "the job was stopped.\nwhat rank [01] saw:\nTraceback", summary), summary
-    assert "failed after 6.0s" in summary and "-- rank 2 did not reach it" in summary
+    # (its 6 s timeout: 6.0 s, or a little more where the machine is loaded)
+    assert re.search(r"failed after 6\.\ds", summary) and "-- rank 2 did not reach it" in summary
     assert "killed by Signal 9" not in stderr
 
 
