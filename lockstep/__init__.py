@@ -44,11 +44,11 @@ if TYPE_CHECKING:  # for type checkers; at run time each name loads on first use
     from lockstep.replication.nonfinite import NonFiniteGradientError
     from lockstep.replication.oracle import naive_average_gradients
     from lockstep.replication.precision import LossScaler
-    from lockstep.replication.reducer import UnusedParameterError
     from lockstep.replication.reduction import Bucket, Reduction
     from lockstep.replication.replica import DataParallel
     from lockstep.replication.sync import SyncConfig
     from lockstep.replication.syncbn import SyncBatchNorm, convert_sync_batchnorm
+    from lockstep.replication.unused import UnusedParameterError
     from lockstep.seeding import seed_everything
     from lockstep.sharding.optimizer import ZeroOptimizer
     from lockstep.sharding.sharded import ShardConfig, ShardedDataParallel, shard
@@ -103,7 +103,7 @@ _WHERE = {
     "TopK": "lockstep.replication.compress",
     "TrainConfig": "lockstep.training.config",
     "Trainer": "lockstep.training.trainer",
-    "UnusedParameterError": "lockstep.replication.reducer",
+    "UnusedParameterError": "lockstep.replication.unused",
     "World": "lockstep.comm.world",
     "advise": "lockstep.advisor.advise",
     "convert_sync_batchnorm": "lockstep.replication.syncbn",

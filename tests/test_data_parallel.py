@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lockstep
-from lockstep.replication.reducer import UnusedParameterError
+from lockstep.replication.unused import UnusedParameterError
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model, make_optimizer, max_diff
 

@@ -58,6 +58,7 @@ class FiniteCheck:
         check_mode(mode)
         self.mode, self.names, self.group = mode, list(names), group
         self.carried = carried and mode != "off"  # the flags ride in the last bucket
+        self.per_gradient = mode != "off" and not self.carried  # `observe` each gradient
         self._rank = comm.rank_of(group)
         self.backwards = 0        # synchronised backwards seen, for the step in messages
         self.skipped_steps = 0
@@ -76,7 +77,7 @@ class FiniteCheck:
         the cheapest pass over memory there is. (A sum of finite values can overflow;
         `finish` tells that apart before anyone is stopped.) Carried: the buckets are
         summed whole instead (`launching`)."""
-        if self.mode != "off" and not self.carried:
+        if self.per_gradient:
             self._sums.append((index, grad.detach().sum()))
 
     def launching(self, gradients: torch.Tensor, flags: torch.Tensor | None) -> None:

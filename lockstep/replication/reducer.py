@@ -42,12 +42,9 @@ from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_r
 from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.replication.outputs import find_tensors
 from lockstep.replication.reduction import Bucket, Done, Reduction, adopt_gradient
+from lockstep.replication.unused import drop_globally_unused, unused_error
 
 log = get_logger(__name__)
-
-
-class UnusedParameterError(RuntimeError):
-    """A trainable parameter got no gradient in a synchronised backward."""
 
 
 def _slots(params: Sequence[torch.nn.Parameter]) -> list[ParamSlot]:
@@ -74,6 +71,10 @@ class Reducer:
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)
         self.buckets: list[Bucket] = []
+        # Whether the reduction overrides the per-gradient steps (ZeRO materializes buckets
+        # it freed, shm moves gradients into shared memory): if not, they are skipped.
+        self._materializes = type(reduction).materialize is not Reduction.materialize
+        self._absorbs = type(reduction).absorb is not Reduction.absorb
         self._build(reverse_registration_order(len(self.params)))
         self._armed = False        # the next backward synchronises (one backward only)
         self._in_backward = False  # a synchronised backward is under way
@@ -183,14 +184,19 @@ class Reducer:
     # ---- backward -----------------------------------------------------------------------
 
     def _on_grad_ready(self, index: int) -> None:
+        # Runs once per gradient per backward -- 96 times a step for a 24-layer MLP with
+        # LayerNorm, where DDP does this work in C++ -- so the common case (plain memory,
+        # the finite check riding in the buckets) calls nothing that would do nothing.
         bucket, view = self._where[index]
         param = self.params[index]
-        self.reduction.materialize(bucket)
+        if self._materializes:
+            self.reduction.materialize(bucket)
         self._used[index] = 1
         if not self._armed:  # accumulate in the bucket slot, unscaled, until the sync
             adopt_gradient(param, view, 1.0)
             return
-        self._begin_backward()  # a no-op when the outputs' nodes already queued the end
+        if not self._in_backward:  # the outputs' nodes usually queued the end already
+            self._begin_backward()
         if self._ready[index]:
             raise RuntimeError(
                 f"rank {comm.rank_of(self.group)}: parameter '{self.names[index]}' received a "
@@ -198,9 +204,16 @@ class Reducer:
                 "checkpoint, or a second backward through the same graph?); lockstep reduces "
                 "each gradient once. Use torch.utils.checkpoint(..., use_reentrant=False)")
         self._ready[index] = 1
-        self._check_create_graph(param)
-        self.finite.observe(index, param.grad)  # type: ignore[arg-type]
-        adopt_gradient(param, view, self._scale(), self.reduction, bucket)
+        grad = param.grad
+        assert grad is not None  # (the hook runs after accumulation)
+        if grad.requires_grad:
+            self._warn_create_graph()
+        if self.finite.per_gradient:
+            self.finite.observe(index, grad)
+        if self._absorbs:  # the reduction decides where a fresh gradient goes
+            adopt_gradient(param, view, self._scale(), self.reduction, bucket)
+        else:
+            adopt_gradient(param, view, self._scale())
         if self._arrivals is not None:
             self._arrivals.append(index)
         bucket.waiting -= 1
@@ -211,8 +224,8 @@ class Reducer:
         """What a gradient is multiplied by as it enters its bucket."""
         return 1.0 / self.divisor if self.reduction.prescale else 1.0
 
-    def _check_create_graph(self, param: torch.Tensor) -> None:
-        if self._warned_create_graph or param.grad is None or not param.grad.requires_grad:
+    def _warn_create_graph(self) -> None:
+        if self._warned_create_graph:
             return
         self._warned_create_graph = True
         log.warning("rank %d: backward(create_graph=True): .grad holds the average over ranks "
@@ -243,9 +256,9 @@ class Reducer:
             self._wait_all()
             finite = self.finite.finish(flags, self._averaged_finite)  # every rank alike
             if self.find_unused:
-                self._drop_globally_unused(emptied)
+                drop_globally_unused(self.params, self._used, emptied, self.group)
             elif unready:
-                raise self._unused_error(unready)
+                raise unused_error(self.names, unready, self.group)
             if self._arrivals is not None:
                 self._learned_order = arrival_order(self._arrivals, len(self.params))
                 self._arrivals = None
@@ -309,25 +322,6 @@ class Reducer:
         self.stats = {"bytes_sent": self.reduction.sent_bytes(self.buckets),
                       "bytes_uncompressed": raw}
 
-    def _drop_globally_unused(self, emptied: list[int]) -> None:
-        """A parameter unused on every rank keeps `.grad = None`, as in one process, so the
-        optimizer skips it (a zero gradient would still move it through momentum/decay)."""
-        used = comm.control_tensor(self._used, self.group)
-        comm.all_reduce(used, "all-reduce of the used-parameter bitmap", self.group)
-        used_anywhere = used.tolist()
-        for index in emptied:
-            if used_anywhere[index] == 0:
-                self.params[index].grad = None
-
-    def _unused_error(self, unready: list[int]) -> UnusedParameterError:
-        names = ", ".join(f"'{self.names[i]}'" for i in unready[:8])
-        more = f" and {len(unready) - 8} more" if len(unready) > 8 else ""
-        return UnusedParameterError(
-            f"rank {comm.rank_of(self.group)}: {len(unready)} parameter(s) received no "
-            f"gradient in this backward: {names}{more}. If some parameters are legitimately "
-            "unused on some steps, wrap with DataParallel(..., find_unused=True); if they are "
-            "never used, freeze them (requires_grad_(False)) or remove them.")
-
     def _reset_for_next_backward(self) -> None:
         # A forward through the wrapper arms exactly one backward (DDP's reducer expects
         # hooks only from its forward to the end of that backward): a later backward
@@ -356,9 +350,8 @@ class Reducer:
             flags = self.finite.start()
             self._wait_all()
             self.finite.finish(flags, self._averaged_finite)
-            if self.find_unused:
-                comm.all_reduce(comm.control_tensor([0] * len(self.params), self.group),
-                                "all-reduce of the used-parameter bitmap", self.group)
+            if self.find_unused:  # (its bitmap of used parameters: none here)
+                drop_globally_unused(self.params, bytearray(len(self.params)), [], self.group)
             if self._arrivals is not None:
                 self._learned_order = arrival_order([], len(self.params))
                 self._arrivals = None

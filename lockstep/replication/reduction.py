@@ -69,7 +69,9 @@ def adopt_gradient(param: torch.Tensor, view: torch.Tensor, scale: float,
     if torch.is_grad_enabled():  # create_graph: the gradient has a graph; take its values
         with torch.no_grad():
             _move(grad, view, scale, reduction, bucket)
-    else:  # backward without create_graph runs its hooks so (no_grad's cost per gradient)
+    elif reduction is None:  # backward without create_graph runs its hooks so (no_grad's
+        scaled_copy(grad, view, scale)  # cost, and _move's call, per gradient)
+    else:
         _move(grad, view, scale, reduction, bucket)
     param.grad = view
 
