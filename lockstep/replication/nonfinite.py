@@ -35,6 +35,7 @@ import torch
 from lockstep import comm
 from lockstep.logs import get_logger
 from lockstep.replication import precision
+from lockstep.replication.reduction import Handle
 
 log = get_logger(__name__)
 
@@ -54,9 +55,11 @@ class FiniteCheck:
     """Watches one reducer's gradients during each synchronised backward."""
 
     def __init__(self, mode: str, names: Sequence[str], group: comm.Group,
-                 carried: bool = False) -> None:
+                 carried: bool = False,
+                 share: Callable[[torch.Tensor], Handle | None] | None = None) -> None:
         check_mode(mode)
         self.mode, self.names, self.group = mode, list(names), group
+        self.share = share  # the reduction's own way to sum the flags, if it has one
         self.carried = carried and mode != "off"  # the flags ride in the last bucket
         self.per_gradient = mode != "off" and not self.carried  # `observe` each gradient
         self._rank = comm.rank_of(group)
@@ -102,7 +105,7 @@ class FiniteCheck:
         """Forget a backward that did not finish."""
         self._sums, self._bucket_sums = [], []
 
-    def start(self) -> comm.Pending | None:
+    def start(self) -> Handle | None:
         """Launch the exchange of flags, once all of this backward's gradients were
         observed: flags[r] = 1 if rank r saw a non-finite gradient; the last entry counts
         the ranks whose LossScaler is mid-step (its overflow is then expected, and every
@@ -116,10 +119,11 @@ class FiniteCheck:
             flags[self._rank] = (~torch.isfinite(local)).any().to(flags.dtype)
         flags[-1] = int(precision.loss_scaling_pending())
         self._flags = flags
-        return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
-                                     self.group)
+        shared = self.share(flags) if self.share is not None else None
+        return shared or comm.all_reduce_async(flags, "exchange of non-finite gradient "
+                                               "flags", self.group)
 
-    def finish(self, exchange: comm.Pending | None,
+    def finish(self, exchange: Handle | None,
                averaged_finite: Callable[[list[int]], bool | None]) -> bool:
         """Wait for the exchange: True if this step's gradients are usable. Raises
         NonFiniteGradientError in "error" mode when they are not.

@@ -66,7 +66,8 @@ class Reducer:
         self.cap_bytes, self.first_cap_bytes = bucket_cap_bytes, first_bucket_bytes
         self.find_unused = find_unused
         self.group = group
-        self.finite = FiniteCheck(nonfinite, self.names, group, reduction.carries_flags)
+        self.finite = FiniteCheck(nonfinite, self.names, group, reduction.carries_flags,
+                                  reduction.share_flags)
         self.stats = {"bytes_sent": 0, "bytes_uncompressed": 0}  # of the last synced step
         self.world_size = comm.size_of(group)
         self.divisor = self.world_size  # ranks contributing this step (fewer under join)

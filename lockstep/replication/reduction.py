@@ -156,6 +156,12 @@ class Reduction:
     def finish(self, buckets: Sequence[Bucket]) -> None:
         """Every bucket of a synchronised backward has been waited for."""
 
+    def share_flags(self, flags: torch.Tensor) -> Handle | None:
+        """Begin summing a small tensor of per-rank flags in place (the non-finite check's,
+        where they do not ride in a bucket) in a way of this reduction's own, waited on
+        after `finish`; None: by an all-reduce over the group, as any small tensor."""
+        return None
+
     def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
         """What this rank put on the wire in the step that just finished."""
         return sum(b.nbytes for b in buckets)
