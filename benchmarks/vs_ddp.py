@@ -9,13 +9,14 @@ round, so drift in machine load hits all alike; the printed numbers are medians 
 per-round ratios, since absolute times on a shared machine mean little.
 
     python benchmarks/vs_ddp.py            # launches 2 local workers itself
-    python benchmarks/vs_ddp.py --rounds 12 --steps 20
+    python benchmarks/vs_ddp.py --rounds 12 --steps 20 --block-s 0.5
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import statistics
 import sys
@@ -79,7 +80,16 @@ def timed(step: Callable[[], None], steps: int, synchronised: bool) -> float:
     return elapsed.item()
 
 
-def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, float]:
+def steps_per_block(step: Callable[[], None], at_least: int, block_s: float) -> int:
+    """Enough steps for a timed block to last about `block_s` (the same on every rank): a
+    tiny model's step is ~3 ms, and 20 of them -- 60 ms -- measure the machine's scheduling
+    more than the step."""
+    seconds = timed(step, 5, True) / 5
+    return max(at_least, math.ceil(block_s / seconds))
+
+
+def bench_model(name: str, rounds: int, steps: int, batch: int,
+                block_s: float = 0.0) -> dict[str, float]:
     build, width = MODELS[name]
     torch.manual_seed(0)
     x = torch.randn(batch, width)
@@ -93,6 +103,7 @@ def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, flo
     for step in steps_by_mode.values():  # warm up allocators, bucket rebuilds, caches
         for _ in range(3):
             step()
+    steps = steps_per_block(steps_by_mode["ddp"], steps, block_s)
     # A palindrome (A B C D D C B A), reversed every round: drift in machine load over a
     # round hits every mode alike.
     palindrome = list(steps_by_mode) + list(reversed(steps_by_mode))
@@ -112,18 +123,20 @@ def bench_model(name: str, rounds: int, steps: int, batch: int) -> dict[str, flo
     return {"ratio": ratio("ddp", "lockstep"), "ratio_shm": ratio("ddp", "lockstep-shm"),
             "eff_lockstep": ratio("local", "lockstep"), "eff_ddp": ratio("local", "ddp"),
             "eff_shm": ratio("local", "lockstep-shm"),
-            "samples_per_s": 2 * batch * 2 * steps / statistics.median(per_round["lockstep"])}
+            "samples_per_s": 2 * batch * 2 * steps / statistics.median(per_round["lockstep"]),
+            "steps": steps}
 
 
 def worker(args: argparse.Namespace) -> None:
     world = lockstep.init()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for name in args.models:
-        result = bench_model(name, args.rounds, args.steps, args.batch)
+        result = bench_model(name, args.rounds, args.steps, args.batch, args.block_s)
         if world.is_main:
             print(f"{name:22s} throughput ratio lockstep/DDP: {result['ratio']:.3f}   "
                   f"sync efficiency lockstep {result['eff_lockstep']:.3f}, "
-                  f"DDP {result['eff_ddp']:.3f}   ({result['samples_per_s']:.0f} samples/s)\n"
+                  f"DDP {result['eff_ddp']:.3f}   ({result['samples_per_s']:.0f} samples/s, "
+                  f"{result['steps']:.0f}-step blocks)\n"
                   f"{'':22s} with algorithm='shm': ratio lockstep/DDP "
                   f"{result['ratio_shm']:.3f}   sync efficiency {result['eff_shm']:.3f}",
                   flush=True)
@@ -134,7 +147,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20, help="steps per timed block")
+    p.add_argument("--steps", type=int, default=20, help="steps per timed block, at least")
+    p.add_argument("--block-s", type=float, default=0.5,
+                   help="seconds a timed block lasts, at least (more steps for fast models)")
     p.add_argument("--batch", type=int, default=64, help="per-rank batch")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args()
@@ -142,7 +157,8 @@ def main() -> int:
         worker(args)
         return 0
     print(f"lockstep vs torch DDP: 2 ranks (Gloo, CPU), per-rank batch {args.batch}, "
-          f"{args.rounds} ABBA rounds of {args.steps} steps; medians of per-round ratios",
+          f"{args.rounds} ABBA rounds of blocks of at least {args.steps} steps and "
+          f"{args.block_s} s; medians of per-round ratios",
           flush=True)
     return run(LaunchSpec(nproc=2, target=os.path.abspath(__file__), args=sys.argv[1:]))
 
