@@ -330,6 +330,39 @@ def test_missing_gradient_is_a_clear_error(world: World) -> None:
     assert results[1:] == [("ok", n)] * (n - 1)
 
 
+class _ComplexHead(torch.nn.Module):
+    """A real layer, then a complex one (as in signal-processing models)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.w = torch.nn.Parameter(torch.randn(4, 2, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x).to(torch.complex64) @ self.w).abs().sum()
+
+
+def check_complex_parameters(algorithm: str) -> float:
+    """Gradients of a model with a complex parameter, against one process on the global
+    batch (the backends sum a complex bucket through its real view, as torch's DDP does;
+    its last bucket carries the non-finite flags as complex numbers)."""
+    world = lockstep.init()
+    torch.manual_seed(0)
+    net, reference = _ComplexHead(), _ComplexHead()
+    reference.load_state_dict(net.state_dict())
+    model = lockstep.DataParallel(net, algorithm=algorithm)
+    xs = torch.randn(world.world_size, 8, 4, generator=torch.Generator().manual_seed(1))
+    model(xs[world.rank]).backward()
+    (sum(reference(x) for x in xs) / world.world_size).backward()  # type: ignore[operator]
+    return max(float((a.grad - b.grad).abs().max())  # type: ignore[operator]
+               for a, b in zip(net.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("algorithm", ["native", "shm"])
+def test_complex_parameters_average_like_one_process(world2: World, algorithm: str) -> None:
+    assert max(world2.run(check_complex_parameters, algorithm)) < 1e-5
+
+
 def check_uneven_without_join() -> str:
     world = lockstep.init()
     model = lockstep.DataParallel(make_model("mlp"))

@@ -152,11 +152,14 @@ def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 def _all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: Group) -> dist.Work:
     """`dist.all_reduce(tensor, op, group, async_op=True)`, straight to the process group,
-    as torch's DDP launches its buckets from C++. What torch's Python adds before the same
-    call -- a torch-function dispatch, the checks for a non-tensor, a rank outside the
-    group, a complex tensor, a coalescing context -- cannot apply to what lockstep sums
-    (its buckets and flags, on its own groups), and it cost ~50-90 us a call on this
-    machine: a tenth of a tiny model's wrapper overhead, once per bucket per step."""
+    as torch's DDP launches its buckets from C++. Of what torch's Python does before the
+    same call, only the complex case applies to what lockstep sums (a complex model's
+    buckets: NCCL has no complex type, so their real view is summed); the rest -- a
+    torch-function dispatch, the checks for a non-tensor, a rank outside the group, a
+    coalescing context -- cannot, on lockstep's own tensors and groups, and it cost
+    ~50-90 us a call on this machine."""
+    if tensor.is_complex():  # (SUM only: a complex number has no max)
+        tensor = torch.view_as_real(tensor)
     options = dist.AllreduceOptions()
     options.reduceOp = op  # type: ignore[assignment]  # (torch assigns it so too)
     options.asyncOp = True

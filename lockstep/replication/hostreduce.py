@@ -116,7 +116,8 @@ class HostSlices:
         No rank writes the next backward's flags before every rank has read these: the
         next backward's first bucket waits for all of them at its barrier first."""
         slots = self._flag_slots
-        if not slots or slots[0].shape != flags.shape or slots[0].dtype != flags.dtype:
+        if not slots or slots[0].shape != flags.shape or slots[0].dtype != flags.dtype \
+                or slots[0].device != flags.device:
             return None
         slots[self.me].copy_(flags)
         return _SumOfSlots(slots, flags)

@@ -17,9 +17,10 @@ zero to it) -- no collective of its own, no work per gradient (a tiny model's st
 mostly collective latency; a second collective was a third of it). A rank whose element
 comes back non-finite is flagged; the parameters to name are those whose averaged gradient
 is not finite: NaN and inf reach the average element by element. Elsewhere (ZeRO's
-reduce-scatter keeps only shards, a compressor changes the values) each gradient is summed
-as it arrives and the flags travel in a tiny all-reduce of their own, launched alongside
-the last buckets.
+reduce-scatter keeps only shards, a compressor changes the values, shm sums slices) each
+gradient is summed as it arrives and the flags travel in a tiny all-reduce of their own,
+launched alongside the last buckets -- or in the reduction's own way
+(`Reduction.share_flags`: shm sums them in its shared memory).
 
 While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
 agreed skip), so the check stands aside.
@@ -27,7 +28,7 @@ agreed skip), so the check stands aside.
 
 from __future__ import annotations
 
-import math
+import cmath  # (a complex model's last bucket carries its flags as complex numbers)
 from collections.abc import Callable, Sequence
 
 import torch
@@ -120,8 +121,10 @@ class FiniteCheck:
         flags[-1] = int(precision.loss_scaling_pending())
         self._flags = flags
         shared = self.share(flags) if self.share is not None else None
-        return shared or comm.all_reduce_async(flags, "exchange of non-finite gradient "
-                                               "flags", self.group)
+        if shared is not None:
+            return shared
+        return comm.all_reduce_async(flags, "exchange of non-finite gradient flags",
+                                     self.group)
 
     def finish(self, exchange: Handle | None,
                averaged_finite: Callable[[list[int]], bool | None]) -> bool:
@@ -138,7 +141,7 @@ class FiniteCheck:
         if exchange is not None:
             exchange.wait()
         *per_rank, scaling = flags.tolist()
-        bad_ranks = [r for r, v in enumerate(per_rank) if not math.isfinite(v)] if self.carried \
+        bad_ranks = [r for r, v in enumerate(per_rank) if not cmath.isfinite(v)] if self.carried \
             else [r for r, flag in enumerate(per_rank) if flag]
         if not bad_ranks or scaling > 0.5:
             return True
