@@ -10,7 +10,9 @@ the job's lineage and the summary. Checkpoints, metrics and config.json go to OU
 import argparse
 import json
 import os
+import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,23 @@ def fail_unstepped(job: Any, step: int) -> None:
     torch.distributed.recv(torch.zeros(1), src=1)
 
 
+def stop_in_checkpoint(trainer: lockstep.Trainer, plan: Path) -> Callable[[], Path]:
+    """The trainer's save_checkpoint, made to stop this worker first at the step the plan
+    names -- inside the checkpoint's collective work, where the others will time out on
+    it and go on -- once."""
+    save, stopped = trainer.save_checkpoint, []
+
+    def stop_then_save() -> Path:
+        job = trainer.survival
+        if plan.exists() and not stopped:
+            wanted = json.loads(plan.read_text())
+            if wanted == {"worker": job.coordinator.id, "step": job.step}:
+                stopped.append(True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+        return save()
+    return stop_then_save
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -102,6 +121,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=10, help="0: at epochs' ends only")
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--stop-plan", default=None, help="a file the test may write, "
+                   '{"worker": W, "step": S}: worker W stops itself (SIGSTOP) in the '
+                   "checkpoint after step S, once; the test wakes it")
     p.add_argument("--out", required=True)
     p.add_argument("--timeline", action="store_true", help="record the step timeline")
     args = p.parse_args()
@@ -149,6 +171,8 @@ def main() -> None:
         TensorDataset(x, y), loss_fn=mse, config=config, callbacks=[pace],
         scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5))
     train.trainer = trainer
+    if args.stop_plan:
+        trainer.save_checkpoint = stop_in_checkpoint(trainer, Path(args.stop_plan))  # type: ignore[method-assign]
     summary = trainer.fit()
     job = trainer.survival
     with (out / f"worker-{job.coordinator.id}.jsonl").open("a") as log:

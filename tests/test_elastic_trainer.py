@@ -178,20 +178,32 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
     it joined again across an epoch boundary and ran that epoch's evaluation alone ('desync
     at collective #8: ... rank 2 issued "trainer: evaluation sums"'), and the job crashed in
     Gloo; and the second time it was never let in (still marked as admitted from the
-    first). The weights are one process's."""
+    first). The second stop is in the checkpoint at an epoch's end (20 steps an epoch):
+    let in again later, it ran that epoch's evaluation alone, while the others trained
+    (Gloo: 'Received data size doesn't match expected size'). The weights are one
+    process's."""
     # 350 paced steps outlast both stops: at most 20 steps a second, and about 26 s to the
     # second return, 15 s of it with the others waiting
-    steps, args = 350, ["--steps", "350", "--pace", "0.05", "--collective-timeout", "3"]
+    plan = tmp_path / "stop-plan.json"
+    steps, args = 350, ["--steps", "350", "--pace", "0.05", "--collective-timeout", "3",
+                        "--stop-plan", str(plan)]
     job = _launch(tmp_path, free_port(), 3, args, "launcher.log", JOB)
     try:
         victim = _wait_for(tmp_path, lambda r: r["attempt"] >= 10 and r["rank"] == 1, 90,
                            "step 10")[0]
-        for epoch in (1, 3):  # membership epochs: left out at 1, back at 2, out at 3, back
-            os.kill(victim["pid"], signal.SIGSTOP)
-            time.sleep(10)
-            os.kill(victim["pid"], signal.SIGCONT)
-            _wait_for(tmp_path, lambda r, e=epoch: r["worker"] == victim["worker"]
-                      and r["epoch"] > e, 90, f"worker {victim['worker']} to be back")
+        os.kill(victim["pid"], signal.SIGSTOP)  # in a training step (membership epoch 1)
+        time.sleep(10)
+        os.kill(victim["pid"], signal.SIGCONT)
+        back = _wait_for(tmp_path, lambda r: r["worker"] == victim["worker"]
+                         and r["epoch"] > 1, 90, f"worker {victim['worker']} to be back")
+        # then it stops itself in the checkpoint at the end of an epoch still ahead
+        at = (max(r["attempt"] for r in back) // 20 + 2) * 20
+        plan.write_text(json.dumps({"worker": victim["worker"], "step": at}))
+        _wait_until_stopped(victim["pid"], 90)
+        time.sleep(10)
+        os.kill(victim["pid"], signal.SIGCONT)
+        _wait_for(tmp_path, lambda r: r["worker"] == victim["worker"] and r["epoch"] > 3
+                  and r["attempt"] > at, 90, f"worker {victim['worker']} to be back")
         assert job.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     finally:
         if job.poll() is None:
@@ -204,6 +216,14 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
     assert log.count(f"worker {victim['worker']} joined the job at step") == 2
     assert "desync" not in log
     assert_weights(finals, reference(steps, 12))
+
+
+def _wait_until_stopped(pid: int, deadline_s: float) -> None:
+    deadline = time.monotonic() + deadline_s
+    while Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "T":
+        if time.monotonic() > deadline:
+            raise AssertionError(f"worker pid {pid} did not stop itself in its checkpoint")
+        time.sleep(0.05)
 
 
 def test_zero_3_under_elastic_loses_nothing_to_a_kill_and_reshards_for_a_joiner(

@@ -128,7 +128,7 @@ class Elastic(Regrouping):
                                        terms_of(module, optimizer, agree))
         self.drift: DriftCheck | None = None
         self._target = 0  # the step the current run_step commits
-        self._rejoined = False  # the last regroup left this worker out; it joined again
+        self._rejoined_at = -1  # left out, it was let in again at this step, not yet trained
         self._received = False  # this worker was brought level from a peer
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
         self._training_thread = threading.get_ident()  # the one that calls run_step
@@ -215,8 +215,13 @@ class Elastic(Regrouping):
         was left out meanwhile and joined again at a later step: the others did this work
         without it, and are training the step it is now at -- or when ZeRO took back a
         step this worker had completed (membership.decide): the work after that step waits
-        until it is trained again."""
+        until it is trained again. A worker let in again skips every such piece of work
+        until it has trained the step it was let in at: the others, admitting it at their
+        next step's start, had done the work of the steps before it (the rest of the
+        step it was left out in: its checkpoint, the epoch's evaluation)."""
         at = self.step
+        if at == self._rejoined_at:  # let in again at this step after the others had done
+            return skipped           # all the work before it -- an epoch's end too
         while self.step >= self.reached:
             failure: Exception | None = None
             try:
@@ -224,7 +229,7 @@ class Elastic(Regrouping):
             except Exception as error:
                 failure = error
             self._handle(failure)
-            if self.step > at and self._rejoined:
+            if self.step == self._rejoined_at:  # left out during it, and let in again
                 return skipped
         return skipped
 
@@ -243,6 +248,7 @@ class Elastic(Regrouping):
             self.lineage.append([self.step, epoch])
         self.step += 1
         self.reached = max(self.reached, self.step)
+        self._rejoined_at = -1
         self._phase = 0
         # Between steps (an evaluation, a checkpoint) nothing is stepped yet either: a
         # regroup there must not read the step just committed as one in progress

@@ -61,7 +61,7 @@ class Regrouping:
     _phase: int
     _sync_retry: bool
     _target: int
-    _rejoined: bool
+    _rejoined_at: int
     _received: bool
     _keeps_wrapper: bool
     _held: recovery.Held | None
@@ -82,13 +82,13 @@ class Regrouping:
         except Excluded as error:
             log.warning("%s; joining again", error)  # (it names the worker)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
-            self._target, self._rejoined = self.step, True  # train the step the others are at
+            # train the step the others are at, and none of the work before it
+            self._target = self._rejoined_at = self.step
             return
         except QuorumError:
             raise
         except (RuntimeError, OSError) as error:  # the store's, not a peer's: not retried
             raise store_gone(self.coordinator.address, error) from None
-        self._rejoined = False
         self._admit(membership, rewrap=rewrap or bool(membership.joined), started=started,
                     previous=previous)
 
