@@ -26,6 +26,15 @@ from lockstep.lowcomm.streaming import StreamingDiLoCo
 SAMPLES, FEATURES = 240, 8
 
 
+def process_state(pid: int) -> str:
+    """Process `pid`'s state letter in /proc (T: stopped, Z: killed, not yet reaped), or ""
+    once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return ""
+
+
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(SAMPLES, FEATURES, generator=g, dtype=torch.float64)

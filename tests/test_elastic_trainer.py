@@ -220,7 +220,7 @@ def test_a_worker_stopped_past_the_timeout_is_left_out_then_joins_again(
 
 def _wait_until_stopped(pid: int, deadline_s: float) -> None:
     deadline = time.monotonic() + deadline_s
-    while Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][0] != "T":
+    while elastic_job.process_state(pid) != "T":
         if time.monotonic() > deadline:
             raise AssertionError(f"worker pid {pid} did not stop itself in its checkpoint")
         time.sleep(0.05)
