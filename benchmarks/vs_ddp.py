@@ -1,12 +1,13 @@
 """lockstep.DataParallel against torch's DistributedDataParallel, side by side in one run.
 
 Two ranks on this machine train the same models (few large tensors, many small ones, and
-a tiny one) on the same data four ways: lockstep with
-its default (native) reduction, torch DDP, lockstep with algorithm="shm", and no
-communication at all (each rank alone: the ceiling that sync efficiency is measured
-against). Every round runs the modes in a palindrome, ABBA-style, reversed every other
-round, so drift in machine load hits all alike; the printed numbers are medians of
-per-round ratios, since absolute times on a shared machine mean little.
+a tiny one) on the same data four ways: lockstep with its defaults (algorithm="auto":
+shm here, every rank on one CPU host), torch DDP, lockstep with algorithm="native" (the
+backend's all-reduce, as DDP's), and no communication at all (each rank alone: the ceiling
+that sync efficiency is measured against). Every round runs the modes in a palindrome,
+ABBA-style, reversed every other round, so drift in machine load hits all alike; the
+printed numbers are medians of per-round ratios, since absolute times on a shared machine
+mean little.
 
     python benchmarks/vs_ddp.py            # launches 2 local workers itself
     python benchmarks/vs_ddp.py --rounds 12 --steps 20 --block-s 0.5
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,15 +91,17 @@ def steps_per_block(step: Callable[[], None], at_least: int, block_s: float) -> 
 
 
 def bench_model(name: str, rounds: int, steps: int, batch: int,
-                block_s: float = 0.0) -> dict[str, float]:
+                block_s: float = 0.0) -> dict[str, Any]:
     build, width = MODELS[name]
     torch.manual_seed(0)
     x = torch.randn(batch, width)
     base = build()
+    default = lockstep.DataParallel(copy.deepcopy(base))
     steps_by_mode = {
-        "lockstep": make_step(lockstep.DataParallel(copy.deepcopy(base)), x),
+        "lockstep": make_step(default, x),
         "ddp": make_step(DDP(copy.deepcopy(base)), x),
-        "lockstep-shm": make_step(lockstep.DataParallel(copy.deepcopy(base), algorithm="shm"), x),
+        "lockstep-native": make_step(lockstep.DataParallel(copy.deepcopy(base),
+                                                           algorithm="native"), x),
         "local": make_step(copy.deepcopy(base), x),
     }
     for step in steps_by_mode.values():  # warm up allocators, bucket rebuilds, caches
@@ -120,11 +124,11 @@ def bench_model(name: str, rounds: int, steps: int, batch: int,
         return statistics.median(a / b for a, b in zip(per_round[slower], per_round[faster],
                                                        strict=True))
 
-    return {"ratio": ratio("ddp", "lockstep"), "ratio_shm": ratio("ddp", "lockstep-shm"),
+    return {"ratio": ratio("ddp", "lockstep"), "ratio_native": ratio("ddp", "lockstep-native"),
             "eff_lockstep": ratio("local", "lockstep"), "eff_ddp": ratio("local", "ddp"),
-            "eff_shm": ratio("local", "lockstep-shm"),
+            "eff_native": ratio("local", "lockstep-native"),
             "samples_per_s": 2 * batch * 2 * steps / statistics.median(per_round["lockstep"]),
-            "steps": steps}
+            "steps": steps, "algorithm": default.algorithm}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -136,9 +140,10 @@ def worker(args: argparse.Namespace) -> None:
             print(f"{name:22s} throughput ratio lockstep/DDP: {result['ratio']:.3f}   "
                   f"sync efficiency lockstep {result['eff_lockstep']:.3f}, "
                   f"DDP {result['eff_ddp']:.3f}   ({result['samples_per_s']:.0f} samples/s, "
-                  f"{result['steps']:.0f}-step blocks)\n"
-                  f"{'':22s} with algorithm='shm': ratio lockstep/DDP "
-                  f"{result['ratio_shm']:.3f}   sync efficiency {result['eff_shm']:.3f}",
+                  f"{result['steps']:.0f}-step blocks; default algorithm: "
+                  f"{result['algorithm']})\n"
+                  f"{'':22s} with algorithm='native': ratio lockstep/DDP "
+                  f"{result['ratio_native']:.3f}   sync efficiency {result['eff_native']:.3f}",
                   flush=True)
     world.shutdown()
 

@@ -10,7 +10,7 @@ import torch
 
 import lockstep
 from lockstep.comm.topology import check_layout, peers_across_hosts, ranks_on_host
-from lockstep.replication.choices import ALGORITHMS, make_algorithm
+from lockstep.replication.choices import ALGORITHMS, fault_tolerant, make_algorithm
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
 from tests.test_precision_compression import check_compression
@@ -130,12 +130,10 @@ def test_shm_across_hosts_is_a_clear_error(two_hosts: World) -> None:
 
 
 def zero_default_algorithms() -> list[str]:
-    from lockstep.sharding.sharded import mirrored_shards
-
     lockstep.init()
     picked = [lockstep.shard(make_model("mlp"), 2).algorithm,
               lockstep.shard(make_model("mlp"), 2, wire="bf16").algorithm]
-    with mirrored_shards():  # as fault tolerance builds it
+    with fault_tolerant():  # as fault tolerance builds it
         picked.append(lockstep.shard(make_model("mlp"), 1).algorithm)
     try:
         lockstep.shard(make_model("mlp"), 3, algorithm="shm")
@@ -159,6 +157,46 @@ def test_zero_gathers_through_host_memory_by_default_where_the_ranks_share_one(
                                     "spans 2 hosts"), picked[3]
 
 
+def replica_default_algorithms() -> list[object]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    lockstep.init()
+    picked: list[object] = []
+
+    def wrap(**kwargs: object) -> lockstep.DataParallel:
+        model = lockstep.DataParallel(make_model("mlp"), **kwargs)
+        picked.append(model.algorithm)
+        return model
+
+    wrap().close()
+    wrap(compress="bf16").close()
+    with fault_tolerant():  # as Elastic builds it: no memory shared between ranks' fates
+        wrap().close()
+    six = torch.nn.Sequential(*(torch.nn.Linear(1024, 512, bias=False) for _ in range(6)))
+    model = lockstep.SyncConfig().build(six)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)  # replaces auto's choice
+    picked += [model.algorithm, model.bucket_sizes_mb()]
+    model.close()
+    try:
+        wrap(algorithm="shm").register_comm_hook(None, default_hooks.allreduce_hook)
+    except ValueError as error:  # the user's own choice is not replaced
+        picked.append(str(error))
+    return picked
+
+
+def test_data_parallel_reduces_through_host_memory_by_default_where_the_ranks_share_one(
+        world2: World, two_hosts: World) -> None:
+    """DataParallel's algorithm="auto", as ZeRO's: shm where every rank is on one host's
+    CPU, native where a wire is compressed, the job is fault-tolerant, or spans hosts. A
+    DDP comm hook replaces auto's choice (with DDP's 25 MB bucket cap), not the user's."""
+    for picked in world2.run(replica_default_algorithms):
+        assert picked[:5] == ["shm", "native", "native", "comm hook", [2.0, 10.0]], picked
+        assert "already has a way (shm" in str(picked[-1]), picked
+    for picked in two_hosts.run(replica_default_algorithms):
+        assert picked[:4] == ["native", "native", "native", "comm hook"], picked
+        assert "algorithm='hierarchical'" in str(picked[-1]), picked  # shm refused
+
+
 def test_hierarchical_compresses_the_cross_host_leg(two_hosts: World) -> None:
     """The README's SyncConfig(algorithm="hierarchical", compress="bf16"): summed exactly
     inside each host, in bf16 between them -- so within bf16's precision of the exact
@@ -177,7 +215,7 @@ def test_combinations_that_cannot_work_are_refused_when_the_config_is_built() ->
     for compressor in (lockstep.PowerSGD(), lockstep.TopK()):
         with pytest.raises(ValueError, match=r"need the whole bucket.*compress='bf16' or 'fp16'"):
             lockstep.SyncConfig(algorithm="hierarchical", compress=compressor)
-    with pytest.raises(ValueError, match="one of native, ring, tree, shm, hierarchical"):
+    with pytest.raises(ValueError, match="one of auto, native, ring, tree, shm, hierarchical"):
         lockstep.SyncConfig(algorithm="butterfly")
     with pytest.raises(ValueError, match="compress must be None, 'bf16'"):
         lockstep.SyncConfig(compress=3)
@@ -225,7 +263,7 @@ def test_topology_planning() -> None:
 
 
 def test_unknown_algorithm_is_rejected() -> None:
-    with pytest.raises(ValueError, match="one of native, ring, tree, shm, hierarchical"):
+    with pytest.raises(ValueError, match="one of auto, native, ring, tree, shm, hierarchical"):
         make_algorithm("butterfly", None, 1)
 
 

@@ -363,6 +363,18 @@ def test_complex_parameters_average_like_one_process(world2: World, algorithm: s
     assert max(world2.run(check_complex_parameters, algorithm)) < 1e-5
 
 
+def lockstep_timeout_s() -> float:
+    return lockstep.init().timeout.total_seconds()
+
+
+def test_a_group_made_elsewhere_keeps_its_timeout(world2: World) -> None:
+    """lockstep's own waits (shm's host barriers, the watchdog) give up when the group's
+    collectives do, for a group that a harness, Accelerate or the user made (here with
+    30 s; lockstep's own default is 300 s: a rank left waiting in shared memory sat there
+    for minutes while the same wait over Gloo failed in seconds)."""
+    assert world2.run(lockstep_timeout_s) == [30.0, 30.0]
+
+
 def check_uneven_without_join() -> str:
     world = lockstep.init()
     model = lockstep.DataParallel(make_model("mlp"))

@@ -157,8 +157,9 @@ def test_the_flags_ride_in_the_last_bucket_where_every_element_is_summed(
     native = world2.run(collectives_per_step, "native")[0]
     assert len(native) == 3 and all(label.startswith("gradient bucket 1/1") for label in native)
     shm = world2.run(collectives_per_step, "shm")[0]
-    assert len(shm) == 6 and all(label.startswith("every rank on the host has")
-                                 for label in shm), shm
+    assert len(shm) == 6 and all(  # a bucket's barrier names it, as its all-reduce would
+        bucket.startswith("gradient bucket 1/1") and end.startswith("every rank on the host has")
+        for bucket, end in zip(shm[::2], shm[1::2], strict=True)), shm
 
 
 def check_join_sees_a_nan_it_has_no_gradients_for() -> str:

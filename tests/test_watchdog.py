@@ -438,7 +438,7 @@ def test_lockstep_run_names_a_stalled_worker_in_seconds_and_in_its_summary(
 def test_a_rank_that_was_itself_paused_is_told_so_not_that_the_transport_is_stuck() -> None:
     """A worker woken from SIGSTOP after 30 s found its collective timed out (10 s) and read
     'every rank has issued it, yet it does not finish: the transport is stuck'."""
-    from lockstep.comm.collectives import _paused_for
+    from lockstep.comm.failures import _paused_for
 
     assert _paused_for("Timed out waiting 10000ms for send operation to complete", 30.0) == 20.0
     assert _paused_for("Timed out waiting 10000ms for send operation to complete", 10.4) is None

@@ -13,9 +13,9 @@ from torch import nn
 import lockstep
 from lockstep import comm
 from lockstep.elastic.membership import Candidate, decide
+from lockstep.replication.choices import fault_tolerant
 from lockstep.sharding import recovery
 from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.sharded import mirrored_shards
 from lockstep.testing import World
 
 GLOBAL_BATCH, STEPS_BEFORE, STEPS_AFTER = 12, 3, 2
@@ -56,7 +56,7 @@ def reference(steps: int) -> list[torch.Tensor]:
 
 def _train_to_the_step_under_test(net: nn.Module, stage: int) -> tuple[Any, ZeroOptimizer]:
     """Mirrored ZeRO at `stage`: STEPS_BEFORE steps, then the backward of the next."""
-    with mirrored_shards():
+    with fault_tolerant():
         model = lockstep.shard(net, stage)
     optimizer = model.make_optimizer(_sgd)
     for step in range(STEPS_BEFORE):
@@ -76,7 +76,7 @@ def _resume_from_the_pool(net: nn.Module, stage: int, optimizer: ZeroOptimizer,
     pooled = recovery.pool(held, step)
     assert pooled is not None
     recovery.restore(net, pooled)
-    with mirrored_shards():
+    with fault_tolerant():
         model = lockstep.shard(net, stage)
     optimizer.rebind(model.zero_groups, model.stage, model.group)
     recovery.load(model.zero_groups, optimizer, pooled)

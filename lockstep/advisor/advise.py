@@ -49,23 +49,30 @@ class Advice:
     @property
     def recommended(self) -> Prediction:
         """The most faithful mode within WITHIN of the fastest that fits -- the default
-        (sync native) where nothing of that fidelity is predicted CLEARLY faster."""
+        where nothing of that fidelity is predicted CLEARLY faster."""
         fitting = [p for p in self.predictions if p.fits] or self.predictions
         fastest = min(p.step_s for p in fitting)
         best = min((p for p in fitting if p.step_s <= WITHIN * fastest),
                    key=lambda p: (p.mode.fidelity, p.step_s))
-        default = self.prediction("sync native")
+        default = self.default
         if default.fits and default.mode.fidelity == best.mode.fidelity and \
                 default.step_s <= CLEARLY * best.step_s:
             return default
         return best
+
+    @property
+    def default(self) -> Prediction:
+        """What SyncConfig() trains with: algorithm="auto" is shm where the ranks share one
+        host (the only layout whose modes include it), native elsewhere."""
+        names = {p.mode.name for p in self.predictions}
+        return self.prediction("sync shm" if "sync shm" in names else "sync native")
 
     def prediction(self, name: str) -> Prediction:
         return next(p for p in self.predictions if p.mode.name == name)
 
     def reasons(self) -> list[str]:
         """Why the recommended mode, in sentences a person can check."""
-        best, sync = self.recommended, self.prediction("sync native")
+        best, sync = self.recommended, self.default
         said = [f"{self.wire.bus_gbit():.2f} Gbit/s all-reduce bus bandwidth over "
                 f"{self.wire.world_size} ranks: sync would spend {sync.comm_share:.0%} of "
                 "each step communicating"]

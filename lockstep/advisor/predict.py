@@ -21,7 +21,7 @@ Model state per rank follows ZeRO's formulas (zero.py); activations are not coun
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lockstep.advisor.compression import TOPK_RATIO, powersgd_numels
@@ -110,7 +110,7 @@ def predict_all(model: ModelCost, wire: WireCost, memory_bytes: float) -> list[P
 
 
 def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
-    config, n = mode.config, wire.world_size
+    config, n = _resolved(mode.config, wire), wire.world_size
     S = model.param_bytes
     state = _state_bytes(config, S, model.state_bytes, n)
     if isinstance(config, (LocalSGDConfig, DiLoCoConfig)):
@@ -135,6 +135,17 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     earlier = (model.micro_steps - 1) * (model.forward_s + model.backward_s)
     step = earlier + model.forward_s + backward_end + optimizer + after + model.wrapper_s
     return Prediction(mode, step, compute, sent, state)
+
+
+def _resolved(config: Any, wire: WireCost) -> Any:
+    """A SyncConfig's algorithm="auto" as the job would resolve it on this layout
+    (choices.resolve_algorithm): shm inside one host of several ranks, uncompressed --
+    where the layout's modes include it -- else native."""
+    if not isinstance(config, SyncConfig) or config.algorithm != "auto":
+        return config
+    shared = config.compress is None and \
+        "shm" in algorithms_for(wire.world_size, wire.local_world_size)
+    return replace(config, algorithm="shm" if shared else "native")
 
 
 def _pipeline(ready: Sequence[float], durations: Sequence[float], backward_s: float) -> float:

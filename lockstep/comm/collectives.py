@@ -6,7 +6,6 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -16,21 +15,11 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lockstep.comm import stophook, waits, watchdog
-from lockstep.comm.diagnostics import explain_stall, peer_closed
-from lockstep.comm.ledger import Record, ledger
+from lockstep.comm import stophook, waits
+from lockstep.comm.failures import CollectiveError, explain_failure
+from lockstep.comm.ledger import ledger
 
 Group = dist.ProcessGroup | None
-
-
-class CollectiveError(RuntimeError):
-    """A collective failed or timed out; the message says which rank waited for what."""
-
-    def __init__(self, message: str, culprits: Sequence[int] = (), stalled: bool = False
-                 ) -> None:
-        super().__init__(message)
-        self.culprits = list(culprits)  # the ranks it waited for (the launcher names them)
-        self.stalled = stalled  # it waited at least stall_after: they stalled, not crashed
 
 
 def rank_of(group: Group = None) -> int:
@@ -79,55 +68,7 @@ class Pending:
         except waits.Abandoned as error:  # (it says why; a stall report would not)
             raise CollectiveError(str(error)) from None
         except Exception as error:
-            raise _explain(self.what, error, self.started, self.record) from error
-
-
-def _backend_message(error: BaseException) -> str:
-    """The backend's words, without its source path and its boilerplate advice."""
-    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", str(error).strip())
-    return text.split(" This is typically caused")[0][:300]
-
-
-_TIMED_OUT = re.compile(r"Timed out waiting (\d+)ms")
-
-
-def _paused_for(text: str, waited: float) -> float | None:
-    """Seconds this rank lost beyond a collective's timeout -- it waited far longer than the
-    backend's own clock allowed, so it was not running -- or None."""
-    found = _TIMED_OUT.search(text)
-    limit = int(found.group(1)) / 1000 if found else None
-    return waited - limit if limit is not None and waited > 1.5 * limit + 2 else None
-
-
-def _explain(what: str, error: BaseException, started: float,
-             record: Record | None = None) -> CollectiveError:
-    """The error for a failed collective. The first line says what failed and, when the
-    watchdog is on, who it waited for (the launcher's summary shows first lines only)."""
-    rank, size = dist.get_rank(), dist.get_world_size()
-    waited = time.monotonic() - started
-    head = f"rank {rank}: {what} failed after {waited:.1f}s: {_backend_message(error)}"
-    found = watchdog.explain(record)
-    if record is not None:
-        record.done = True
-    paused = _paused_for(str(error), waited)
-    if paused is not None:  # the others' ledgers and clocks went on without this rank
-        return CollectiveError(f"{head} -- this rank was itself paused for about "
-                               f"{paused:.0f}s (stopped, e.g. SIGSTOP, or starved of CPU): "
-                               "its peers may have gone on without it")
-    if peer_closed(error):
-        # A peer's process ended (killed, crashed, or its group torn down). Only a rank
-        # that said it exited is named: the ledgers, published once a second, would blame
-        # live peers for lagging.
-        exited = found.verdict.split("; ")[0] if found is not None and \
-            "exited without reaching it" in found.verdict else None
-        return CollectiveError(f"{head} -- " + (exited or "a peer closed its connection: "
-                               "its process exited or was killed, or its group was torn down"))
-    if found is None:
-        return CollectiveError(f"{head}\n{explain_stall(rank, size)}")
-    lines = [f"{head} -- {found.verdict}", f"  it was {found.collective}", found.details,
-             explain_stall(rank, size)]
-    return CollectiveError("\n".join(line for line in lines if line), found.culprits,
-                           stalled=waited >= watchdog.watchdog.stall_after)
+            raise explain_failure(self.what, error, self.started, self.record) from error
 
 
 _POINT_TO_POINT = (dist.isend, dist.irecv, dist.send_object_list, dist.recv_object_list)
@@ -145,7 +86,7 @@ def _run(what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     except CollectiveError:
         raise
     except Exception as error:
-        raise _explain(what, error, started, record) from error
+        raise explain_failure(what, error, started, record) from error
     ledger.launched(record, result)
     return result
 

@@ -16,13 +16,34 @@ import torch
 
 from lockstep import comm
 from lockstep.comm.diagnostics import explain_stall
+from lockstep.comm.failures import timed_out
 from lockstep.comm.ledger import Record, ledger
+from lockstep.comm.world import current
 
 
 def shm_available() -> str | None:
     """None if shared buckets work here; otherwise why not."""
     if not hasattr(os, "memfd_create") or not os.path.isdir("/proc/self/fd"):
         return "shared-memory reduction needs Linux (memfd_create and /proc)"
+    return None
+
+
+def why_not_host_memory(group: comm.Group, holds: str) -> str | None:
+    """Why `holds` ("shards", "buckets") cannot live in one host's shared memory for the
+    ranks of `group`; None if they can. The same answer on every rank: it reads only the
+    job's layout, so all of them choose shared memory or none does."""
+    world = current()
+    if (reason := shm_available()) is not None:
+        return reason
+    if comm.size_of(group) != world.world_size:
+        return (f"it shares {holds} among all the job's ranks on one host, not a process "
+                "group of some of them; use algorithm='native' with group=")
+    if world.num_hosts > 1:
+        return (f"it shares {holds} through one host's memory, and this job spans "
+                f"{world.num_hosts} hosts; use algorithm='native' across hosts")
+    if world.device.type != "cpu":
+        return (f"it shares {holds} in host memory, and this job's parameters live on "
+                f"{world.device.type}; the backend's own collectives are the fast path there")
     return None
 
 
@@ -76,6 +97,9 @@ class HostMemory:
         return views
 
 
+LOOK_EVERY_S = 0.02  # how often a waiting barrier checks that its late peers still live
+
+
 class HostBarrier:
     """A barrier among the ranks of one host, through flags in shared memory.
 
@@ -104,33 +128,45 @@ class HostBarrier:
         started, spins = time.monotonic(), 0
         # The stall watchdog sees this wait as it sees any collective's (ledger.py).
         record = ledger.issue(what, self.memory.group)
+        look_at = started + LOOK_EVERY_S
         while any(flag[0] < self.generation for flag in self.flags):
             spins += 1
             if spins < 2000:
                 os.sched_yield()
                 continue
-            waited = time.monotonic() - started
-            if waited > self.timeout_s or spins % 500 == 0:
-                self._give_up_if_late(what, waited, record)
+            now = time.monotonic()
+            if now >= look_at:
+                if not self._still_late(what, now - started, record):
+                    break  # (those that left had reached it first)
+                look_at = now + LOOK_EVERY_S
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
         ledger.launched(record, None)
 
-    def _give_up_if_late(self, what: str, waited: float, record: Record | None) -> None:
-        """Fail once the timeout has passed -- or at once if a late peer has exited: a
-        barrier in memory has no connection whose closing would tell (a socket does)."""
-        late = [r for r, flag in enumerate(self.flags) if flag[0] < self.generation]
-        gone = [r for r in late if not _running(self.memory.pids[r])]
-        if gone:
+    def leave(self) -> None:
+        """Say this rank will reach no more of these barriers (its wrapper closed, or its
+        process is exiting): a peer waiting in one fails at its next look, not at its
+        timeout -- and before a launcher that saw this process end stops it."""
+        if self.spin:  # negative: left, having reached generation -flag - 1
+            self.flags[self.memory.local_rank][0] = -self.generation - 1
+
+    def _still_late(self, what: str, waited: float, record: Record | None) -> bool:
+        """Whether some peer has not reached this barrier yet. Fail once the timeout has
+        passed -- or at once if a late peer has left or exited: a barrier in memory has no
+        connection whose closing would tell (a socket does)."""
+        late = [r for r, flag in enumerate(self.flags)
+                if flag[0] < self.generation and -flag[0] - 1 < self.generation]
+        gone = [r for r in late if self.flags[r][0] < 0 or not _running(self.memory.pids[r])]
+        if gone:  # as a socket's peer_closed: said at once, in the same words
             ledger.launched(record, None)
             raise comm.CollectiveError(
-                f"rank {comm.rank_of()}: local rank(s) {gone} on this host (pid "
-                f"{', '.join(str(self.memory.pids[r]) for r in gone)}) exited before reaching: "
-                f"{what}")
-        if waited > self.timeout_s:
-            ledger.launched(record, None)
-            raise comm.CollectiveError(
-                f"rank {comm.rank_of()}: waited {waited:.0f}s for local rank(s) {late} on "
-                f"this host to reach: {what}\n{explain_stall(comm.rank_of(), comm.size_of())}")
+                f"rank {comm.rank_of()}: {what} failed after {waited:.1f}s: local rank(s) "
+                f"{gone} on this host (pid {', '.join(str(self.memory.pids[r]) for r in gone)}) "
+                "left (closed its wrapper or exited) before reaching it\n"
+                f"{explain_stall(comm.rank_of(), comm.size_of())}")
+        if waited > self.timeout_s:  # culprits named as for a backend's timed-out collective
+            raise timed_out(what, waited, record, f"local rank(s) {late} on this host did not "
+                            f"reach it within the {self.timeout_s:.0f}s timeout")
+        return bool(late)
 
 
 def _running(pid: int) -> bool:

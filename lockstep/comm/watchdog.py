@@ -114,7 +114,8 @@ class Watchdog:
             rank = dist.get_rank()
             self.publish(store, rank)
             self._responder.answer(store, rank, ledger.thread)
-            self._check_neighbour(store, rank)
+            for key in self._watched():
+                self._check_neighbour(store, rank, key)
             self._check_stall(store, rank)
         except Exception as error:  # advisory: a store hiccup must never stop training
             log.debug("stall watchdog: a check failed", exc_info=True)
@@ -127,17 +128,27 @@ class Watchdog:
             store.set(f"{LEDGER_KEY}{rank}", json.dumps({"groups": groups, "time": time.time()}))
             self._published = latest
 
-    def _check_neighbour(self, store: dist.Store, rank: int) -> None:
+    @staticmethod
+    def _watched() -> set[str]:
+        """The groups compared for a desync: the world's, and that of the newest collective
+        (shm's host barriers) -- not every group the job ever made, each a store read a tick
+        (a long-lived job makes and drops groups with every wrapper)."""
+        last = ledger.last
+        return {key for key in (ledger.world_key, last.group if last is not None else "")
+                if key}
+
+    def _check_neighbour(self, store: dist.Store, rank: int, key: str) -> None:
         """One warning per group for the first desync this rank or another finds: after it,
         every later collective of that group is out of step too."""
-        key = ledger.world_key
-        peer = (rank + 1) % dist.get_world_size()
-        if not key or peer == rank or key in self._desynced:
+        members = ledger.members[key]
+        if rank not in members or key in self._desynced:
+            return
+        peer = members[(members.index(rank) + 1) % len(members)]
+        if peer == rank:
             return
         mine = ledger.recent(key, HISTORY)
         if not mismatches(mine, read_published(store, [peer], key).get(peer, [])):
             return
-        members = ledger.members[key]
         published = read_published(store, [r for r in members if r != rank], key)
         judgement = judge(mine[-1][0], None, members, rank, mine, published)
         assert judgement.desync is not None  # the neighbour's mismatch is among them

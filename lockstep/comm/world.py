@@ -104,6 +104,16 @@ def _pick_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _group_timeout(backend: str) -> timedelta | None:
+    """The timeout the default group's collectives were given when it was made."""
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    try:
+        options = dist.distributed_c10d._get_default_group()._get_backend(device).options
+        return options._timeout
+    except (AttributeError, RuntimeError):  # a backend without options: torch's default
+        return None
+
+
 def _world_from_group(backend: str, timeout: timedelta) -> World:
     # Without launcher variables the group is taken to live on one host (a test harness).
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -132,26 +142,30 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
     global _world
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
-    timeout = timeout or DEFAULT_TIMEOUT
-    stall_s = watchdog.stall_after_setting(stall_after, timeout.total_seconds())
     if _world is not None and dist.is_initialized():
         if stall_after is not None:  # a later call may change it
-            watchdog.start(stall_s, _world.timeout.total_seconds(), _world.backend)
+            seconds = _world.timeout.total_seconds()
+            watchdog.start(watchdog.stall_after_setting(stall_after, seconds), seconds,
+                           _world.backend)
         return _world
     import_what_binds_the_default_group()
     if dist.is_initialized():  # someone else (a test harness, Accelerate...) made the group
-        _world = _world_from_group(backend or dist.get_backend(), timeout)
+        # and lockstep's own waits (host barriers, the watchdog) keep the timeout it chose
+        backend = backend or dist.get_backend()
+        timeout = timeout or _group_timeout(backend) or DEFAULT_TIMEOUT
+        _world = _world_from_group(backend, timeout)
     elif "WORLD_SIZE" not in os.environ:
-        chosen = _pick_backend(backend)
+        chosen, timeout = _pick_backend(backend), timeout or DEFAULT_TIMEOUT
         dist.init_process_group(chosen, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
         _world = World(0, 1, 0, 1, _pick_device(chosen, 0), chosen, timeout)
     else:
-        _world = _init_from_env(_pick_backend(backend), timeout)
+        _world = _init_from_env(_pick_backend(backend), timeout or DEFAULT_TIMEOUT)
     setup_logging(_world.rank)
     if _world.device.type == "cpu":  # gradients and buckets come and go every step
         log.debug("CPU memory: %s", allocator.keep_freed_memory())
-    watchdog.start(stall_s, timeout.total_seconds(), _world.backend)
+    seconds = _world.timeout.total_seconds()
+    watchdog.start(watchdog.stall_after_setting(stall_after, seconds), seconds, _world.backend)
     register_exit_once()
     log.info("lockstep world: %d rank(s), backend %s, device %s", _world.world_size,
              _world.backend, _world.device)

@@ -32,11 +32,12 @@ from lockstep.elastic.membership import Membership, describe, install, report
 from lockstep.elastic.quorum import Coordinator, Excluded, QuorumError
 from lockstep.elastic.store import store_gone
 from lockstep.logs import get_logger
+from lockstep.replication.choices import fault_tolerant
 from lockstep.replication.consistency import levelled_elsewhere
 from lockstep.replication.drift import DriftCheck
 from lockstep.sharding import recovery
 from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.sharded import ShardedDataParallel, mirrored_shards
+from lockstep.sharding.sharded import ShardedDataParallel
 
 log = get_logger(__name__)
 
@@ -182,7 +183,7 @@ class Regrouping:
         # joiner's model was vetted (terms.py): the wrapper need not check and broadcast.
         # (ZeRO's shards come from the pool, not from rank 0: its own sync stays.)
         levelled = self._current().step > 0 and not isinstance(self.optimizer, ZeroOptimizer)
-        with mirrored_shards(), levelled_elsewhere() if levelled else contextlib.nullcontext():
+        with fault_tolerant(), levelled_elsewhere() if levelled else contextlib.nullcontext():
             self.model = self.wrap(self.module)
         self._keeps_wrapper = rounds.trains_in_rounds(self.model)
         self.drift = None

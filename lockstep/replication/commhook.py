@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep import comm
-from lockstep.replication.buckets import BucketSpec, ParamSlot
+from lockstep.replication.algorithms import Native
+from lockstep.replication.buckets import DEFAULT_BUCKET_MB, MB, BucketSpec, ParamSlot
 from lockstep.replication.reduction import Bucket, Done, Handle, Reduction
 
 Hook = Callable[[Any, Any], Any]
@@ -156,3 +157,27 @@ class _HookHandle:
                                f"future must hold one tensor of {flat.numel()} elements")
         if value.data_ptr() != flat.data_ptr():
             flat.copy_(value.reshape(-1))
+
+
+def install(wrapper: Any, state: object, hook: Callable[..., Any]) -> CommHook:
+    """DataParallel.register_comm_hook's checks, as DDP makes them, then the hook in place
+    of the wrapper's reduction (closed here; the caller detaches its reducer first)."""
+    rank = comm.rank_of(wrapper.group)
+    check_comm_hook(hook, rank)
+    if isinstance(wrapper.reduction, CommHook):
+        raise RuntimeError(f"rank {rank}: register_comm_hook or register_builtin_comm_hook "
+                           "can only be called once.")
+    if wrapper.reducer.finite.backwards or wrapper.reducer.has_unsynced_gradients():
+        raise RuntimeError(f"rank {rank}: register_comm_hook must be called before the "
+                           "first backward (as DDP requires): gradients were already "
+                           "reduced another way")
+    # algorithm="auto"'s pick is lockstep's, not the user's: a hook may replace it
+    if type(wrapper.reduction) is not Native and not wrapper._replaceable:
+        raise ValueError(f"rank {rank}: a communication hook says how buckets travel, "
+                         f"and this wrapper already has a way ({wrapper.reduction.name}, "
+                         "from algorithm=, compress= or reduction=); wrap without them")
+    wrapper.reducer.detach()  # gradients held so far stay, and move to the new buckets
+    wrapper.reduction.close()
+    if not wrapper._cap_given:  # DDP's bucket cap, as a hook written for DDP expects
+        wrapper._bucket_bytes = (int(DEFAULT_BUCKET_MB * MB), wrapper._bucket_bytes[1])
+    return CommHook(state, hook, wrapper.group)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.comm.shm import HostBarrier, HostMemory
 from lockstep.comm.topology import Topology
 from lockstep.replication.algorithms import AllReduce, Threaded
@@ -37,8 +38,9 @@ class HostSlices:
     before anyone reads the results or writes its buffers again.
     """
 
-    def __init__(self, topology: Topology, timeout_s: float) -> None:
+    def __init__(self, topology: Topology, timeout_s: float, in_backward: bool) -> None:
         self.topology = topology
+        self.in_backward = in_backward  # buckets summed on backward's thread (not a worker)
         self.memory = HostMemory(topology.local_group)
         self.barrier = HostBarrier(self.memory, timeout_s)
         self.me, self.size = topology.local_rank, topology.local_world_size
@@ -82,7 +84,7 @@ class HostSlices:
 
     def sum_my_slice(self, flat: torch.Tensor, label: str) -> tuple[torch.Tensor, slice]:
         """Wait for the host's ranks to have this bucket; sum my slice of it in place."""
-        self.barrier.wait(f"every rank on the host has {label}")
+        self._barrier(label, self.in_backward)  # (a stall names the bucket, as a socket's would)
         mine = self.slice_of(len(flat), self.me)
         peers = [b for rank, b in enumerate(self._peers[flat.data_ptr()]) if rank != self.me]
         private = self._private.pop(flat.data_ptr(), [])
@@ -106,7 +108,18 @@ class HostSlices:
                 buffer[mine].copy_(total)
 
     def end_of_backward(self) -> None:
-        self.barrier.wait("every rank on the host has written its slices of this step")
+        self._barrier("every rank on the host has written its slices of this step", True)
+
+    def _barrier(self, what: str, in_backward: bool) -> None:
+        """The host barrier. Waited in backward, it is what backward's end waits for over
+        sockets, and the step timeline counts it so (attribution.py: a rank's compute in
+        backward excludes it, or the ranks waiting for a straggler would look slow)."""
+        recording = timeline.active() if in_backward else None
+        if recording is None:
+            self.barrier.wait(what)
+            return
+        with recording.span("wait for communication"):
+            self.barrier.wait(what)
 
     def share_flags(self, flags: torch.Tensor) -> Handle | None:
         """Sum the ranks' small `flags` through host memory: each writes its own now, and
@@ -128,6 +141,7 @@ class HostSlices:
 
     def close(self) -> None:
         """Unmap the host's buffers and give back the groups (each rank its own end)."""
+        self.barrier.leave()
         self._peers.clear()
         self._private.clear()
         comm.destroy_group(self.topology.local_group)
@@ -192,7 +206,7 @@ class SharedMemory(_OnHost, AllReduce):
     name = "shm"
 
     def __init__(self, topology: Topology, timeout_s: float) -> None:
-        self.host = HostSlices(topology, timeout_s)
+        self.host = HostSlices(topology, timeout_s, in_backward=True)
         # The non-finite check's flags (one per rank, and the loss scaler's count) are
         # summed here too: a Gloo all-reduce of a few bytes took 1.4 ms on a 2-core
         # machine -- most of a tiny model's step -- where a barrier in memory takes µs.
@@ -215,7 +229,7 @@ class Hierarchical(_OnHost, Threaded):
 
     def __init__(self, topology: Topology, timeout_s: float,
                  wire_dtype: torch.dtype | None = None) -> None:
-        self.host = HostSlices(topology, timeout_s)
+        self.host = HostSlices(topology, timeout_s, in_backward=False)
         self.wire_dtype = wire_dtype  # the cross-host leg's dtype (None: the bucket's)
         super().__init__()
 

@@ -27,10 +27,9 @@ from lockstep.comm.world import current
 from lockstep.eager import eager
 from lockstep.logs import get_logger
 from lockstep.replication import memory
-from lockstep.replication.algorithms import Native
 from lockstep.replication.buckets import DEFAULT_FIRST_BUCKET_BYTES, MB, default_bucket_mb
-from lockstep.replication.choices import make_reduction
-from lockstep.replication.commhook import CommHook, check_comm_hook
+from lockstep.replication.choices import check_combination, make_reduction, resolve_algorithm
+from lockstep.replication.commhook import install
 from lockstep.replication.consistency import (
     LEVELLED_ELSEWHERE,
     ModelMismatchError,
@@ -74,9 +73,11 @@ class DataParallel(nn.Module):
             every grad-enabled forward.
         first_bucket_mb: cap on the first bucket, small so communication starts early.
         group: the process group to average over (default: everyone).
-        algorithm: how buckets are summed: "native" (the backend's all-reduce), "ring",
+        algorithm: how buckets are summed: "auto" (the default: "shm" where every rank is
+            on one host's CPU and nothing is compressed, "native" elsewhere; see
+            choices.resolve_algorithm), "native" (the backend's all-reduce), "ring",
             "tree", "shm" (shared memory, one host) or "hierarchical" (shm inside hosts,
-            the network between them). See algorithms.py.
+            the network between them). See algorithms.py. `.algorithm` says which.
         compress: what goes on the wire: None, "bf16", "fp16", lockstep.PowerSGD(rank=4)
             (`wire_dtype="bf16"` halves its bytes) or lockstep.TopK(ratio), over the
             algorithm ("hierarchical": "bf16"/"fp16" on its cross-host leg only; "shm":
@@ -98,11 +99,17 @@ class DataParallel(nn.Module):
     def __init__(self, module: nn.Module, bucket_mb: float | None = None, *,
                  find_unused: bool = False, broadcast_buffers: bool = True,
                  first_bucket_mb: float = DEFAULT_FIRST_BUCKET_BYTES / MB,
-                 group: comm.Group = None, algorithm: str = "native",
+                 group: comm.Group = None, algorithm: str = "auto",
                  compress: Any = None, reduction: Reduction | None = None,
                  nonfinite: str = "error", **ddp_kwargs: Any) -> None:
         super().__init__()
         ddp = read_ddp_arguments(module, ddp_kwargs)
+        self.group = ddp.group if group is None else group
+        # "auto" picked shm: a comm hook registered later may replace it (it is ours, not
+        # the user's choice), with the network's bucket cap unless the user set one
+        self._replaceable = algorithm == "auto" and compress is None and reduction is None
+        self._cap_given = bucket_mb is not None or ddp.bucket_mb is not None
+        algorithm = self._pick_algorithm(algorithm, compress, reduction)
         bucket_mb = pick("bucket_mb", bucket_mb, "bucket_cap_mb", ddp.bucket_mb,
                           default_bucket_mb(algorithm))
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
@@ -112,7 +119,6 @@ class DataParallel(nn.Module):
         check_trainable(module)
         self.world = current()
         self.module = module
-        self.group = ddp.group if group is None else group
         self.broadcast_buffers = broadcast_buffers if ddp.broadcast_buffers is None \
             else ddp.broadcast_buffers
         self.require_backward_grad_sync = True  # DDP's flag; no_sync() clears it
@@ -149,13 +155,22 @@ class DataParallel(nn.Module):
                                    "was dropped without close()); build the model again")
             claim(p, self)
 
+    def _pick_algorithm(self, requested: str, compress: Any,
+                        reduction: Reduction | None) -> str:
+        """The algorithm's name, "auto" resolved (a collective, on every rank alike); a
+        reduction of the user's own goes by its name."""
+        check_combination(requested, compress)
+        self.algorithm = reduction.name if reduction is not None else \
+            resolve_algorithm(requested, compress, self.group)
+        return requested if reduction is not None else self.algorithm
+
     def _make_reduction(self, algorithm: str, compress: Any,
                         reduction: Reduction | None) -> Reduction:
         """How this wrapper's buckets travel (a sharded wrapper lays its own out)."""
         if reduction is None:
             return make_reduction(algorithm, compress, self.group,
                                   self.world.local_world_size)
-        if algorithm != "native" or compress is not None:
+        if algorithm not in ("auto", "native") or compress is not None:
             raise ValueError("reduction= is the whole answer to how buckets travel; it "
                              "takes no algorithm= or compress= beside it")
         return reduction
@@ -179,22 +194,8 @@ class DataParallel(nn.Module):
         becomes how buckets travel (torch's ddp_comm_hooks, or your own; see commhook.py).
         The bucket holds this rank's gradients undivided: the hook averages. As in DDP:
         once, before the first backward."""
-        rank = comm.rank_of(self.group)
-        check_comm_hook(hook, rank)
-        if isinstance(self.reduction, CommHook):
-            raise RuntimeError(f"rank {rank}: register_comm_hook or register_builtin_comm_hook "
-                               "can only be called once.")
-        if self.reducer.finite.backwards or self.reducer.has_unsynced_gradients():
-            raise RuntimeError(f"rank {rank}: register_comm_hook must be called before the "
-                               "first backward (as DDP requires): gradients were already "
-                               "reduced another way")
-        if type(self.reduction) is not Native:
-            raise ValueError(f"rank {rank}: a communication hook says how buckets travel, "
-                             f"and this wrapper already has a way ({self.reduction.name}, "
-                             "from algorithm=, compress= or reduction=); wrap without them")
-        self.reducer.detach()  # gradients held so far stay, and move to the new buckets
-        self.reduction.close()
-        self.reduction = self._owned.reduction = CommHook(state, hook, self.group)
+        self.reduction = self._owned.reduction = install(self, state, hook)
+        self.algorithm = self.reduction.name
         self.reducer = self._new_reducer()
 
     def make_optimizer(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -23,8 +23,10 @@ class SyncConfig:
     """Gradients averaged across ranks every step."""
 
     mode: ClassVar[str] = "sync"
-    algorithm: str = "native"
-    """How buckets are summed: "native", "ring", "tree", "shm" or "hierarchical"."""
+    algorithm: str = "auto"
+    """How buckets are summed: "auto" ("shm" where every rank is on one host's CPU and
+    nothing is compressed, "native" elsewhere), "native", "ring", "tree", "shm" or
+    "hierarchical"."""
     compress: Any = None
     """What goes on the wire: None, "bf16", "fp16", PowerSGD(...) or TopK(...). With
     "hierarchical", "bf16"/"fp16" compress the cross-host leg only; "shm" takes none."""

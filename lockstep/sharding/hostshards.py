@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import comm
-from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, shm_available
+from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, why_not_host_memory
 from lockstep.comm.world import current
 
 if TYPE_CHECKING:
@@ -60,18 +60,8 @@ def pick_algorithm(requested: str, group: comm.Group, stage: int, wire: str,
 
 def why_not_shared(group: comm.Group, wire: str, mirror: bool) -> str | None:
     """Why this job's shards cannot live in one host's shared memory; None if they can."""
-    world = current()
-    if (reason := shm_available()) is not None:
+    if (reason := why_not_host_memory(group, "shards")) is not None:
         return reason
-    if comm.size_of(group) != world.world_size:
-        return ("it shares shards among all the job's ranks on one host, not a process group "
-                "of some of them; use algorithm='native' with group=")
-    if world.num_hosts > 1:
-        return (f"it shares shards through one host's memory, and this job spans "
-                f"{world.num_hosts} hosts; use algorithm='native' across hosts")
-    if world.device.type != "cpu":
-        return (f"it shares shards in host memory, and this job's parameters live on "
-                f"{world.device.type}; the backend's own gathers are the fast path there")
     if wire != "full":
         return f"wire={wire!r}: nothing crosses a network to compress; use one or the other"
     if mirror:

@@ -12,9 +12,7 @@ report. DataParallel itself knows nothing of any of this.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -23,7 +21,7 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.replication import memory
-from lockstep.replication.choices import refusing
+from lockstep.replication.choices import FAULT_TOLERANT, refusing
 from lockstep.replication.drift import replicated
 from lockstep.replication.join import JoinError, JoinHook
 from lockstep.replication.nonfinite import check_mode
@@ -42,22 +40,6 @@ from lockstep.sharding.zero import (
 )
 
 STAGES = (1, 2, 3)
-
-MIRRORED: contextvars.ContextVar[bool] = contextvars.ContextVar("lockstep_mirrored_shards",
-                                                                 default=False)
-"""Whether a wrapper built now keeps a mirror of the next rank's shard (mirror=None): set
-by fault tolerance around the wrap it is given, so a user's `wrap=lambda m: shard(m, 2)`
-gets mirrors without saying so."""
-
-
-@contextlib.contextmanager
-def mirrored_shards() -> Iterator[None]:
-    token = MIRRORED.set(True)
-    try:
-        yield
-    finally:
-        MIRRORED.reset(token)
-
 
 class ShardedDataParallel(DataParallel):
     """DataParallel with ZeRO stage 1 (optimizer state sharded), 2 (and gradients) or 3
@@ -99,7 +81,7 @@ class ShardedDataParallel(DataParallel):
                                  f"all-gather; it takes no {name}=")
         self.stage, self._unit = stage, unit
         self.wire, self._error_feedback = wire, error_feedback
-        self.mirror = MIRRORED.get() if mirror is None else mirror
+        self.mirror = FAULT_TOLERANT.get() if mirror is None else mirror
         self.algorithm = pick_algorithm(algorithm, kwargs.get("group"), stage, wire,
                                         self.mirror)
         if self.mirror and wire != "full":
@@ -113,6 +95,12 @@ class ShardedDataParallel(DataParallel):
         super().__init__(module, **kwargs)
         if stage < 3 and wire != "full":  # the forward computes with decoded copies from
             gather_all(self.zero_groups, "gather of decoded parameters", self.group)  # step 0
+
+    def _pick_algorithm(self, requested: str, compress: Any,
+                        reduction: Reduction | None) -> str:
+        # ZeRO's own pick is self.algorithm (its gathers); its flat groups are cut at the
+        # network's bucket cap whatever the gathers take
+        return "native"
 
     def _make_reduction(self, algorithm: str, compress: Any,
                         reduction: Reduction | None) -> Reduction:

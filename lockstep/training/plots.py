@@ -49,7 +49,7 @@ def config_line(run_dir: Path) -> str:
         return ""
     config = json.loads(path.read_text())
     return ", ".join(f"{k}={config[k]}" for k in _SHOWN
-                     if config.get(k) not in (None, "none", "native", "sync", "fp32", 0)
+                     if config.get(k) not in (None, "none", "auto", "native", "sync", "fp32", 0)
                      or k in ("global_batch_size", "lr", "seed"))
 
 
