@@ -10,7 +10,12 @@ import torch
 
 import lockstep
 from lockstep.comm.topology import check_layout, peers_across_hosts, ranks_on_host
-from lockstep.replication.choices import ALGORITHMS, fault_tolerant, make_algorithm
+from lockstep.replication.choices import (
+    ALGORITHMS,
+    fault_tolerant,
+    make_algorithm,
+    resolve_algorithm,
+)
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
 from tests.test_precision_compression import check_compression
@@ -172,6 +177,10 @@ def replica_default_algorithms() -> list[object]:
     wrap(compress="bf16").close()
     with fault_tolerant():  # as Elastic builds it: no memory shared between ranks' fates
         wrap().close()
+    wrap(process_group=torch.distributed.group.WORLD).close()  # DDP's keyword, all ranks
+    # Parameters off the CPU on one rank only: every rank still picks alike (no hang)
+    device = torch.device("meta" if torch.distributed.get_rank() == 1 else "cpu")
+    picked.append(resolve_algorithm("auto", None, None, device))
     six = torch.nn.Sequential(*(torch.nn.Linear(1024, 512, bias=False) for _ in range(6)))
     model = lockstep.SyncConfig().build(six)
     model.register_comm_hook(None, default_hooks.allreduce_hook)  # replaces auto's choice
@@ -187,13 +196,16 @@ def replica_default_algorithms() -> list[object]:
 def test_data_parallel_reduces_through_host_memory_by_default_where_the_ranks_share_one(
         world2: World, two_hosts: World) -> None:
     """DataParallel's algorithm="auto", as ZeRO's: shm where every rank is on one host's
-    CPU, native where a wire is compressed, the job is fault-tolerant, or spans hosts. A
-    DDP comm hook replaces auto's choice (with DDP's 25 MB bucket cap), not the user's."""
+    CPU, native where a wire is compressed, the job is fault-tolerant, a process group is
+    given, a rank's parameters are off the CPU (every rank then picks native), or the job
+    spans hosts. A DDP comm hook replaces auto's choice (with DDP's 25 MB bucket cap), not
+    the user's."""
     for picked in world2.run(replica_default_algorithms):
-        assert picked[:5] == ["shm", "native", "native", "comm hook", [2.0, 10.0]], picked
+        assert picked[:7] == ["shm", "native", "native", "native", "native", "comm hook",
+                              [2.0, 10.0]], picked
         assert "already has a way (shm" in str(picked[-1]), picked
     for picked in two_hosts.run(replica_default_algorithms):
-        assert picked[:4] == ["native", "native", "native", "comm hook"], picked
+        assert picked[:6] == ["native"] * 5 + ["comm hook"], picked
         assert "algorithm='hierarchical'" in str(picked[-1]), picked  # shm refused
 
 

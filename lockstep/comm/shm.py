@@ -47,18 +47,23 @@ def why_not_host_memory(group: comm.Group, holds: str) -> str | None:
     return None
 
 
-def peers_mappable(group: comm.Group) -> bool:
-    """Whether every rank of `group` can open its peers' memory files (a container may
-    forbid opening another process's /proc/PID/fd). Collective; every rank gets the same
-    answer, so that all of them choose shared memory or none does."""
+def peers_mappable(group: comm.Group, eligible: bool = True) -> bool:
+    """Whether every rank of `group` is `eligible` (its own view of the job allows host
+    memory) and can map its peers' memory files (a container may forbid opening another
+    process's /proc/PID/fd, and a process in another container -- or on another machine --
+    may share a peer's pid and fd number: each reads back the token its peer wrote).
+    Collective on every rank whatever its own answer, so all of them choose alike."""
     fd = os.memfd_create("lockstep-probe", os.MFD_CLOEXEC)
     try:
-        peers = comm.all_gather_object((os.getpid(), fd), "shm: may peers map each other",
-                                       group)
-        opened = True
-        for pid, peer_fd in peers:
+        token = os.urandom(16)
+        os.write(fd, token)
+        peers = comm.all_gather_object((os.getpid(), fd, token, eligible),
+                                       "shm: may peers map each other", group)
+        opened = all(ok for _, _, _, ok in peers)
+        for pid, peer_fd, peer_token, _ in peers if opened else []:
             try:
-                os.close(os.open(f"/proc/{pid}/fd/{peer_fd}", os.O_RDWR))
+                with open(f"/proc/{pid}/fd/{peer_fd}", "rb") as f:
+                    opened = opened and f.read(len(peer_token)) == peer_token
             except OSError:
                 opened = False
         return all(comm.all_gather_object(opened, "shm: did every rank map its peers", group))
@@ -153,9 +158,13 @@ class HostBarrier:
         """Whether some peer has not reached this barrier yet. Fail once the timeout has
         passed -- or at once if a late peer has left or exited: a barrier in memory has no
         connection whose closing would tell (a socket does)."""
-        late = [r for r, flag in enumerate(self.flags)
-                if flag[0] < self.generation and -flag[0] - 1 < self.generation]
-        gone = [r for r in late if self.flags[r][0] < 0 or not _running(self.memory.pids[r])]
+        # Liveness first, then one read of the flags: a peer dead before its flag was read
+        # and not there in it never reached this barrier (read the other way round, one
+        # that arrived, passed and exited in between would be blamed).
+        running = [_running(pid) for pid in self.memory.pids]
+        values = [int(flag[0]) for flag in self.flags]
+        late = [r for r, v in enumerate(values) if v < self.generation and -v - 1 < self.generation]
+        gone = [r for r in late if values[r] < 0 or not running[r]]
         if gone:  # as a socket's peer_closed: said at once, in the same words
             ledger.launched(record, None)
             raise comm.CollectiveError(

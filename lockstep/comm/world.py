@@ -104,14 +104,16 @@ def _pick_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _group_timeout(backend: str) -> timedelta | None:
-    """The timeout the default group's collectives were given when it was made."""
-    device = torch.device("cuda" if backend == "nccl" else "cpu")
-    try:
-        options = dist.distributed_c10d._get_default_group()._get_backend(device).options
-        return options._timeout
-    except (AttributeError, RuntimeError):  # a backend without options: torch's default
-        return None
+def _group_timeout() -> timedelta | None:
+    """The timeout the default group's collectives were given when it was made (asked of
+    each backend it has: a CUDA-only group has no CPU one)."""
+    group = dist.distributed_c10d._get_default_group()
+    for device in getattr(group, "_device_types", []):
+        try:
+            return group._get_backend(device).options._timeout
+        except (AttributeError, RuntimeError):  # a backend without options
+            continue
+    return None
 
 
 def _world_from_group(backend: str, timeout: timedelta) -> World:
@@ -152,7 +154,7 @@ def init(backend: str | None = None, timeout: timedelta | float | None = None,
     if dist.is_initialized():  # someone else (a test harness, Accelerate...) made the group
         # and lockstep's own waits (host barriers, the watchdog) keep the timeout it chose
         backend = backend or dist.get_backend()
-        timeout = timeout or _group_timeout(backend) or DEFAULT_TIMEOUT
+        timeout = timeout or _group_timeout() or DEFAULT_TIMEOUT
         _world = _world_from_group(backend, timeout)
     elif "WORLD_SIZE" not in os.environ:
         chosen, timeout = _pick_backend(backend), timeout or DEFAULT_TIMEOUT

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
+import torch
+
 from lockstep import comm
 from lockstep.comm.shm import peers_mappable, why_not_host_memory
 from lockstep.comm.topology import Topology, check_layout
@@ -36,21 +38,24 @@ def fault_tolerant() -> Iterator[None]:
         FAULT_TOLERANT.reset(token)
 
 
-def resolve_algorithm(requested: str, compress: Any, group: comm.Group) -> str:
+def resolve_algorithm(requested: str, compress: Any, group: comm.Group,
+                      device: torch.device | None = None) -> str:
     """The algorithm "auto" (the default) stands for: "shm" where every rank of the job
     shares one host's memory on CPU and nothing asks for a network -- as NCCL carries a
     node's traffic through shared memory, not its sockets: a Gloo all-reduce of a few
     floats takes ~1.4 ms on this machine, a flag in shared memory 0.5 us -- and "native"
-    (the backend's all-reduce) wherever a wire is compressed, the job is fault-tolerant,
-    the ranks span hosts or a device holds the parameters, or the host forbids mapping a
-    peer's memory. Collective where it may pick "shm": every rank asks whether it can map
-    its peers."""
+    (the backend's all-reduce) wherever a wire is compressed, the job is fault-tolerant, a
+    process group is given, the ranks span hosts, the parameters live on `device` other
+    than the CPU, or the host forbids mapping a peer's memory. Collective (one all-gather)
+    unless the job's settings alone say native, so every rank picks alike."""
     if requested != "auto":
         return requested
-    if (compress is not None or FAULT_TOLERANT.get() or comm.size_of(group) == 1
-            or why_not_host_memory(group, "buckets") is not None):
+    if compress is not None or FAULT_TOLERANT.get() or group is not None \
+            or comm.size_of(group) == 1:  # the job's settings: the same on every rank
         return "native"
-    return "shm" if peers_mappable(group) else "native"
+    eligible = why_not_host_memory(group, "buckets") is None and \
+        (device is None or device.type == "cpu")
+    return "shm" if peers_mappable(group, eligible) else "native"
 
 
 def check_combination(algorithm: str, compress: Any) -> Compression | None:

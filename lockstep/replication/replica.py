@@ -109,7 +109,7 @@ class DataParallel(nn.Module):
         # the user's choice), with the network's bucket cap unless the user set one
         self._replaceable = algorithm == "auto" and compress is None and reduction is None
         self._cap_given = bucket_mb is not None or ddp.bucket_mb is not None
-        algorithm = self._pick_algorithm(algorithm, compress, reduction)
+        algorithm = self._pick_algorithm(algorithm, compress, reduction, module)
         bucket_mb = pick("bucket_mb", bucket_mb, "bucket_cap_mb", ddp.bucket_mb,
                           default_bucket_mb(algorithm))
         if not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
@@ -155,13 +155,14 @@ class DataParallel(nn.Module):
                                    "was dropped without close()); build the model again")
             claim(p, self)
 
-    def _pick_algorithm(self, requested: str, compress: Any,
-                        reduction: Reduction | None) -> str:
+    def _pick_algorithm(self, requested: str, compress: Any, reduction: Reduction | None,
+                        module: nn.Module) -> str:
         """The algorithm's name, "auto" resolved (a collective, on every rank alike); a
         reduction of the user's own goes by its name."""
         check_combination(requested, compress)
+        device = next((p.device for p in module.parameters()), None)
         self.algorithm = reduction.name if reduction is not None else \
-            resolve_algorithm(requested, compress, self.group)
+            resolve_algorithm(requested, compress, self.group, device)
         return requested if reduction is not None else self.algorithm
 
     def _make_reduction(self, algorithm: str, compress: Any,

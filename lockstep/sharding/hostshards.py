@@ -52,9 +52,9 @@ def pick_algorithm(requested: str, group: comm.Group, stage: int, wire: str,
     if requested == "shm" and reason is not None:
         raise ValueError(f"rank {comm.rank_of(group)}: ZeRO with algorithm='shm' "
                          f"(stage {stage}): {reason}")
-    if requested == "auto" and (reason is not None or comm.size_of(group) == 1
-                                or not peers_mappable(group)):
-        return "native"
+    if requested == "auto":  # every rank asks its peers, so that all of them pick alike
+        shared = comm.size_of(group) > 1 and peers_mappable(group, eligible=reason is None)
+        return "shm" if shared else "native"
     return "shm"
 
 

@@ -96,8 +96,8 @@ class ShardedDataParallel(DataParallel):
         if stage < 3 and wire != "full":  # the forward computes with decoded copies from
             gather_all(self.zero_groups, "gather of decoded parameters", self.group)  # step 0
 
-    def _pick_algorithm(self, requested: str, compress: Any,
-                        reduction: Reduction | None) -> str:
+    def _pick_algorithm(self, requested: str, compress: Any, reduction: Reduction | None,
+                        module: nn.Module) -> str:
         # ZeRO's own pick is self.algorithm (its gathers); its flat groups are cut at the
         # network's bucket cap whatever the gathers take
         return "native"
