@@ -46,7 +46,7 @@ def _paused_for(text: str, waited: float) -> float | None:
 
 
 def explain_failure(what: str, error: BaseException, started: float,
-             record: Record | None = None) -> CollectiveError:
+                    record: Record | None = None) -> CollectiveError:
     """The error for a failed collective. The first line says what failed and, when the
     watchdog is on, who it waited for (the launcher's summary shows first lines only)."""
     rank = dist.get_rank()

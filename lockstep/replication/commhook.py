@@ -160,8 +160,9 @@ class _HookHandle:
 
 
 def install(wrapper: Any, state: object, hook: Callable[..., Any]) -> CommHook:
-    """DataParallel.register_comm_hook's checks, as DDP makes them, then the hook in place
-    of the wrapper's reduction (closed here; the caller detaches its reducer first)."""
+    """DataParallel.register_comm_hook's checks, as DDP makes them; then the wrapper's
+    reducer is detached and its reduction closed, and the hook to put in its place is
+    returned (the caller builds a new reducer over it)."""
     rank = comm.rank_of(wrapper.group)
     check_comm_hook(hook, rank)
     if isinstance(wrapper.reduction, CommHook):
