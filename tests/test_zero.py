@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import nullcontext
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 import lockstep
+from lockstep.replication.nonfinite import NonFiniteGradientError
+from lockstep.sharding.hostshards import HostShards
 from lockstep.sharding.zero import padded, plan_units, shard_range
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model
@@ -30,6 +33,8 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
     opt, ref_opt = model.make_optimizer(cls, **kwargs), cls(reference.parameters(), **kwargs)
     if stage:  # shards of a few hundred elements: stepped in pieces (pieces.py)
         opt.stepping.piece_numel = 128
+    if algorithm == "shm" and stage >= 2:
+        reduce_scatter_in_pieces_read_late(model.zero_groups[0].host, rank == n - 1)
     for step in range(STEPS):
         x, y = batch(kind, step, PER_RANK * n)
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -82,6 +87,23 @@ def test_shards_gathered_through_host_memory_train_like_one_process(world: World
         assert len({r[1] for r in results}) == 1
 
 
+def reduce_scatter_in_pieces_read_late(host: HostShards, late: bool) -> None:
+    """Reduce-scatters through host memory in pieces of 40 elements, so that a bucket takes
+    several and the two slots are reused within it; on the `late` rank every third barrier
+    returns 2 ms late, so its peers write their next piece while it has yet to read this
+    one (one slot, or a missing barrier, would have them overwrite what it reads)."""
+    host.piece = 40
+    if not late:
+        return
+    wait, calls = host.barrier.wait, itertools.count()
+
+    def wait_then_dawdle(what: str) -> None:
+        wait(what)
+        if next(calls) % 3 == 0:
+            time.sleep(0.002)
+    host.barrier.wait = wait_then_dawdle  # type: ignore[method-assign]
+
+
 def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
     """Stage 3, algorithm="shm": the last rank writes its shards late, as a checkpoint's
     load does (bracketed), then every rank evaluates."""
@@ -117,6 +139,51 @@ def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> No
     assert len(refused) == 2
     assert "wire='int8': nothing crosses a network" in refused[0]
     assert "algorithm= is 'auto', 'native' or 'shm'" in refused[1] and "'ring'" in refused[1]
+
+
+def steps_on_one_host(stage: int) -> tuple[list[str], str]:
+    """Stages 2-3, algorithm="shm": what the second step waited on (the ledger records every
+    collective and host barrier), and the error of the third, whose input holds a NaN on
+    the last rank."""
+    from lockstep.comm.ledger import ledger
+
+    def issued_since(seen: dict[object, int]) -> list[str]:
+        return [label for key in ledger.history for n, _, label in ledger.recent(key, 500)
+                if n > seen.get(key, 0)]
+
+    world = lockstep.init()
+    model = lockstep.shard(make_model("mlp"), stage, algorithm="shm", bucket_mb=0.004,
+                           first_bucket_mb=0.004)
+    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    labels: list[str] = []
+    for step in range(1, 4):
+        seen = {key: max((n for n, _, _ in ledger.recent(key, 1)), default=0)
+                for key in ledger.history}
+        x, y = batch("mlp", step * world.world_size + world.rank, 8)
+        if step == 3 and world.rank == world.world_size - 1:
+            x[0, 0] = float("nan")
+        try:
+            loss_of("mlp", model, x, y).backward()
+        except NonFiniteGradientError as caught:
+            return labels, str(caught)
+        opt.step()
+        opt.zero_grad()
+        if step == 2:  # (the first backward also shares the order gradients arrived in)
+            labels = issued_since(seen)
+    return labels, ""
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_on_one_host_a_step_waits_on_no_socket_and_a_nan_still_stops_it(world2: World,
+                                                                         stage: int) -> None:
+    """Reduce-scatters and the non-finite flags go through host memory: a step waits only at
+    barriers there (each named for what it waits for), and a NaN on one rank still stops
+    every rank at that step, naming the rank."""
+    for rank, (labels, error) in enumerate(world2.run(steps_on_one_host, stage)):
+        assert labels and all(label.startswith("ZeRO (shm): ") for label in labels), \
+            [label for label in labels if not label.startswith("ZeRO (shm): ")]
+        assert sum("before its reduce-scatter" in label for label in labels) >= 3
+        assert f"rank {rank}: synchronised backward 3:" in error and "rank(s) [1]" in error
 
 
 def write_after_step(stage: int) -> str:

@@ -20,7 +20,7 @@ import torch
 
 from lockstep import comm
 from lockstep.comm import timeline
-from lockstep.comm.shm import HostBarrier, HostMemory
+from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
 from lockstep.comm.topology import Topology
 from lockstep.replication.algorithms import AllReduce, Threaded
 from lockstep.replication.reduction import Bucket, Done, Handle, scaled_copy
@@ -47,7 +47,7 @@ class HostSlices:
         self._peers: dict[int, list[torch.Tensor]] = {}  # own data_ptr -> every rank's buffer
         # Per bucket: parts of my slice still in autograd's tensors, (source, start, scale).
         self._private: dict[int, list[tuple[torch.Tensor, int, float]]] = {}
-        self._flag_slots: list[torch.Tensor] = []  # every rank's flags (share_flags)
+        self._flags: HostFlags | None = None  # every rank's flags (share_flags)
 
     def absorb(self, grad: torch.Tensor, view: torch.Tensor, scale: float,
                flat: torch.Tensor) -> None:
@@ -122,22 +122,15 @@ class HostSlices:
             self.barrier.wait(what)
 
     def share_flags(self, flags: torch.Tensor) -> Handle | None:
-        """Sum the ranks' small `flags` through host memory: each writes its own now, and
-        the handle -- waited on after `end_of_backward`'s barrier -- adds them up. Only for
-        the flags it was made for (`make_flag_slots`); None for anything else.
-
-        No rank writes the next backward's flags before every rank has read these: the
-        next backward's first bucket waits for all of them at its barrier first."""
-        slots = self._flag_slots
-        if not slots or slots[0].shape != flags.shape or slots[0].dtype != flags.dtype \
-                or slots[0].device != flags.device:
-            return None
-        slots[self.me].copy_(flags)
-        return _SumOfSlots(slots, flags)
+        """Sum the ranks' small `flags` through host memory (HostFlags): waited on after
+        `end_of_backward`'s barrier. No rank writes the next backward's flags before every
+        rank has read these: the next backward's first bucket waits for all of them at its
+        barrier first. None for flags these slots were not made for (`make_flag_slots`)."""
+        return self._flags.share(flags) if self._flags is not None else None
 
     def make_flag_slots(self, numel: int, dtype: torch.dtype) -> None:
         """Host memory for `share_flags` (collective on the host, as `allocate`)."""
-        self._flag_slots = self.memory.allocate(numel, dtype)
+        self._flags = HostFlags(self.memory, numel, dtype)
 
     def close(self) -> None:
         """Unmap the host's buffers and give back the groups (each rank its own end)."""
@@ -146,16 +139,6 @@ class HostSlices:
         self._private.clear()
         comm.destroy_group(self.topology.local_group)
         comm.destroy_group(self.topology.cross_group)
-
-
-class _SumOfSlots:
-    """The handle of `share_flags`: `wait` sums every rank's slot into `into`."""
-
-    def __init__(self, slots: list[torch.Tensor], into: torch.Tensor) -> None:
-        self.slots, self.into = slots, into
-
-    def wait(self) -> None:
-        torch.sum(torch.stack(self.slots), dim=0, out=self.into)
 
 
 def _gaps(span: slice, covered: list[tuple[int, int]]) -> list[tuple[int, int]]:

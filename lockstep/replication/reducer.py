@@ -84,7 +84,7 @@ class Reducer:
         self._ready = bytearray(len(self.params))
         self._used = bytearray(len(self.params))  # got a gradient since the last sync
         # Recorded during the first synced backward, to rebuild the plan in arrival order.
-        self._arrivals: list[int] | None = []
+        self._arrivals: list[int] | None = None if reduction.fixed_plan else []
         self._learned_order: list[int] | None = None
         self._warned_create_graph = False
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self, i))

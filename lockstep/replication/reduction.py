@@ -124,6 +124,9 @@ class Reduction:
     # more can ride along: the ranks' non-finite flags travel in the last bucket then,
     # instead of in a collective of their own (nonfinite.py).
     carries_flags = False
+    # Whether `plan` ignores the order it is given (ZeRO's buckets are its shards' layout):
+    # then the order gradients arrive in is not learned, nor shared after the first step.
+    fixed_plan = False
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:

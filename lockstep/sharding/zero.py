@@ -216,6 +216,8 @@ class ShardedReduction(Reduction):
     padded to split evenly), reduced by all-reduce (stage 1) or reduce-scatter into this
     rank's shard (2, 3), whose full buffers exist only while being reduced (2, 3)."""
 
+    fixed_plan = True
+
     def __init__(self, groups: list[FlatGroup], stage: int, group: comm.Group,
                  error_feedback: bool = False) -> None:
         self.groups, self.stage, self.group = groups, stage, group
@@ -232,6 +234,8 @@ class ShardedReduction(Reduction):
         self.on_reduced: Callable[[int], None] | None = None  # stage 3: free the unit
         self._in_flight: _Scattering | None = None
         self.on_step_end: Callable[[], None] | None = None    # stage 3: free them all
+        # Stages 2-3 with every rank on one host: reduce-scatters through its memory
+        self.host = groups[0].host if groups and stage >= 2 else None
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:
@@ -259,7 +263,9 @@ class ShardedReduction(Reduction):
         if self._in_flight is not None:  # one reduce-scatter in flight at a time: its full
             with timeline.span("wait for communication"):  # bucket goes back before the
                 self._in_flight.wait()                       # next is let go
-        target = self.groups[bucket.index]
+        if self.host is not None:  # (on the backward's thread, as the all-reduce under shm)
+            self._reduced(bucket, self.host.reduce_scatter(bucket.flat, bucket.label))
+            return Done()
         what = f"reduce-scatter of {bucket.label}"
         if self.wire != "full":
             self._reduced(bucket, compressed.reduce_scatter(
@@ -269,7 +275,7 @@ class ShardedReduction(Reduction):
         # Launched and left to run while backward computes the next bucket's layers (on
         # Gloo an all-to-all, summed when waited for): the next launch, or backward's end,
         # waits for it.
-        incoming = torch.empty_like(target.shard_grad)
+        incoming = torch.empty_like(self.groups[bucket.index].shard_grad)
         pending = comm.reduce_scatter_async(incoming, bucket.flat, what, self.group)
         self._in_flight = _Scattering(self, bucket, pending, incoming)
         return self._in_flight
@@ -304,8 +310,14 @@ class ShardedReduction(Reduction):
             group.shard_param.grad = group.shard_grad
             if group.mirror_param is not None:
                 group.mirror_param.grad = group.mirror_grad
+        if self.host is not None:
+            self.host.end_of_backward()  # (the flags, share_flags, are summed after this)
         if self.on_step_end is not None:
             self.on_step_end()
+
+    def share_flags(self, flags: torch.Tensor) -> Handle | None:
+        """Through host memory, the non-finite flags are summed there too."""
+        return self.host.flags.share(flags) if self.host is not None else None
 
     def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
         if self.wire == "full":
