@@ -48,8 +48,8 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import lockstep
+from lockstep.comm.shm import peers_storages
 from lockstep.launch.run import LaunchSpec, run
-from lockstep.sharding.hostshards import peers_storages
 from lockstep.tools.bench import time_modes
 
 WIDTH, LAYERS, BATCH = 1024, 8, 32

@@ -140,7 +140,8 @@ def test_zero_and_diloco_put_their_communication_on_the_timeline(world2: World,
     assert any(n.startswith("gather of parameter unit") for n in names), names
     assert any(n.startswith("prefetch of parameter unit") for n in names), names
     scattered = [args for name, args in step if name.startswith("gradient bucket")]
-    assert scattered and all(a["via"] == "ZeRO-3 reduce-scatter" for a in scattered)
+    assert scattered and all(a["via"] == "ZeRO-3 reduce-scatter in host memory"
+                             for a in scattered)
     zero2 = world2.run(comm_spans_of, str(tmp_path / "z2"), lockstep.ShardConfig(stage=2))[0]
     assert ("all-gather of the stepped parameters (ZeRO-2)", 5, 1) in \
         [(n, s, tid) for n, s, tid, _ in zero2]

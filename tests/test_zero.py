@@ -11,7 +11,7 @@ import torch
 
 import lockstep
 from lockstep.replication.nonfinite import NonFiniteGradientError
-from lockstep.sharding.hostshards import HostShards
+from lockstep.sharding.staging import Staging
 from lockstep.sharding.zero import padded, plan_units, shard_range
 from lockstep.testing import World
 from tests.models import batch, digest, loss_of, make_model
@@ -33,8 +33,8 @@ def train_stage(kind: str, stage: int, optimizer: str, accumulate: int,
     opt, ref_opt = model.make_optimizer(cls, **kwargs), cls(reference.parameters(), **kwargs)
     if stage:  # shards of a few hundred elements: stepped in pieces (pieces.py)
         opt.stepping.piece_numel = 128
-    if algorithm == "shm" and stage >= 2:
-        reduce_scatter_in_pieces_read_late(model.zero_groups[0].host, rank == n - 1)
+    if algorithm == "shm":
+        reduce_in_pieces_read_late(model.zero_groups[0].host.staging, rank == n - 1)
     for step in range(STEPS):
         x, y = batch(kind, step, PER_RANK * n)
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -87,21 +87,21 @@ def test_shards_gathered_through_host_memory_train_like_one_process(world: World
         assert len({r[1] for r in results}) == 1
 
 
-def reduce_scatter_in_pieces_read_late(host: HostShards, late: bool) -> None:
-    """Reduce-scatters through host memory in pieces of 40 elements, so that a bucket takes
-    several and the two slots are reused within it; on the `late` rank every third barrier
-    returns 2 ms late, so its peers write their next piece while it has yet to read this
-    one (one slot, or a missing barrier, would have them overwrite what it reads)."""
-    host.piece = 40
+def reduce_in_pieces_read_late(staging: Staging, late: bool) -> None:
+    """Gradients summed through host memory in pieces of 40 elements, so that a bucket
+    takes several and the slots are reused within it; on the `late` rank every third
+    barrier returns 2 ms late, so its peers write their next piece while it has yet to read
+    this one (one slot, or a missing barrier, would have them overwrite what it reads)."""
+    staging.piece = 40
     if not late:
         return
-    wait, calls = host.barrier.wait, itertools.count()
+    wait, calls = staging.barrier.wait, itertools.count()
 
     def wait_then_dawdle(what: str) -> None:
         wait(what)
         if next(calls) % 3 == 0:
             time.sleep(0.002)
-    host.barrier.wait = wait_then_dawdle  # type: ignore[method-assign]
+    staging.barrier.wait = wait_then_dawdle  # type: ignore[method-assign]
 
 
 def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
@@ -142,7 +142,7 @@ def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> No
 
 
 def steps_on_one_host(stage: int) -> tuple[list[str], str]:
-    """Stages 2-3, algorithm="shm": what the second step waited on (the ledger records every
+    """algorithm="shm": what the second step waited on (the ledger records every
     collective and host barrier), and the error of the third, whose input holds a NaN on
     the last rank."""
     from lockstep.comm.ledger import ledger
@@ -173,10 +173,10 @@ def steps_on_one_host(stage: int) -> tuple[list[str], str]:
     return labels, ""
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_on_one_host_a_step_waits_on_no_socket_and_a_nan_still_stops_it(world2: World,
                                                                          stage: int) -> None:
-    """Reduce-scatters and the non-finite flags go through host memory: a step waits only at
+    """Gradients and the non-finite flags are summed through host memory: a step waits only at
     barriers there (each named for what it waits for), and a NaN on one rank still stops
     every rank at that step, naming the rank."""
     for rank, (labels, error) in enumerate(world2.run(steps_on_one_host, stage)):
@@ -258,7 +258,7 @@ def live_tensor_bytes() -> int:
     ranks' shards mapped here (ZeRO's default on one host shares them: theirs to count)."""
     import gc
 
-    from lockstep.sharding.hostshards import peers_storages
+    from lockstep.comm.shm import peers_storages
 
     storages = {}
     for obj in gc.get_objects():

@@ -8,9 +8,11 @@ path, `kill -9` included, and nothing is ever left in /dev/shm.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import time
+import weakref
 
 import torch
 
@@ -83,6 +85,7 @@ class HostMemory:
         self.local_rank = comm.rank_of(group)
         self.pids = comm.all_gather_object(os.getpid(), "shm: exchange process ids", group)
         self.count = 0
+        self.peers: list[weakref.ref[torch.Tensor]] = []  # their memory (peers_storages)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A zeroed tensor of `numel` elements per rank on the host, in local-rank order;
@@ -99,7 +102,16 @@ class HostMemory:
             comm.barrier("shm: every rank has mapped the new bucket", self.group)
         finally:
             os.close(fd)  # the mappings keep the memory; no name, nothing to clean up
+        self.peers += [weakref.ref(view) for r, view in enumerate(views) if r != self.local_rank]
         return views
+
+
+def peers_storages() -> set[int]:
+    """Where the other ranks' memory that this process maps begins (their storages' data
+    pointers), while it is mapped: theirs, counted by its owner -- not by a count of this
+    process's live tensors (memory_report never counts it)."""
+    views = [ref() for obj in gc.get_objects() if isinstance(obj, HostMemory) for ref in obj.peers]
+    return {view.untyped_storage().data_ptr() for view in views if view is not None}
 
 
 LOOK_EVERY_S = 0.02  # how often a waiting barrier checks that its late peers still live

@@ -15,7 +15,7 @@ kill the process without a Python error.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -201,6 +201,18 @@ class Gatherer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def gather_all(groups: Sequence[FlatGroup], what: str, process_group: comm.Group,
+               exact: bool = False) -> None:
+    """Make every group's full buffer whole from the shards (decoded where the wire is
+    compressed, unless `exact`): all gathers launched, then waited, so the backend may run
+    them side by side. (At stages 1-2 a shard is its slice of the buffer already: copying
+    it in is a copy onto itself, which torch skips.)"""
+    gathers = [g.start_gather(f"{what} of parameter group {g.index}", process_group, exact)
+               for g in groups]
+    for work in gathers:
+        work.wait()
 
 
 def guard_orphans(owners: list[nn.Module], groups: list[FlatGroup], rank: int) -> None:

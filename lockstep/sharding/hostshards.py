@@ -5,9 +5,7 @@ With every rank on one host, a shard need not travel through a socket: each rank
 live in anonymous memory files that the host's other ranks map (comm/shm.py), and gathering
 a flat group is copying every rank's shard into the full buffer -- a memcpy per rank, where
 a Gloo broadcast copies through loopback TCP in the kernel, on the cores the ranks compute
-with. So do the reduce-scatters of stages 2-3 (`reduce_scatter`): each rank leaves its
-peers' shards of a gradient bucket in a slot of host memory and sums its own shard from
-theirs. Stage 1's all-reduce stays on the backend.
+with. The gradients are summed through the host's memory too (staging.py).
 
 Where the shared shard is: at stages 1-2 the flat buffer itself (the parameters' memory;
 a rank's shard is its slice of it), at stage 3 the shard the optimizer steps (the full
@@ -32,24 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lockstep import comm
-from lockstep.comm import timeline
-from lockstep.comm.shm import (
-    HostBarrier,
-    HostFlags,
-    HostMemory,
-    peers_mappable,
-    why_not_host_memory,
-)
+from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, why_not_host_memory
 from lockstep.comm.world import current
+from lockstep.sharding.staging import Staging
 
 if TYPE_CHECKING:
     from lockstep.sharding.zero import FlatGroup
 
 
 ALGORITHMS = ("auto", "native", "shm")
-# Host memory per rank for the reduce-scatters' staging (two slots): pieces of 128K floats
-# between two ranks take ~0.05 ms to copy, against a few µs for the barrier between them.
-STAGING_BYTES = 1 << 20
 
 
 def pick_algorithm(requested: str, group: comm.Group, stage: int, wire: str,
@@ -94,14 +83,8 @@ class HostShards:
         self.shards = [self._share(g, stage) for g in groups]
         for g in groups:
             g.host = self
-        # Stages 2-3: two slots per rank where a reduce-scatter leaves the pieces of its
-        # bucket that the peers own (used in turn), and the non-finite flags' slots.
-        dtype = groups[0].flat.dtype
-        self.piece = max(1, STAGING_BYTES // 2 // (self.world - 1) // dtype.itemsize)
-        self.slots = [self.memory.allocate(self.piece * (self.world - 1), dtype)
-                      for _ in range(2)] if stage >= 2 else []
-        self.flags = HostFlags(self.memory, self.world + 1, torch.int32) if stage >= 2 else None
-        self._pieces = 0
+        # the gradients' way: summed through the host's memory as well
+        self.staging = Staging(self.memory, self.barrier, stage, groups[0].flat.dtype)
         self.barrier.wait("ZeRO (shm): every rank's shards in host memory")
 
     def _share(self, g: FlatGroup, stage: int) -> list[torch.Tensor]:
@@ -133,68 +116,12 @@ class HostShards:
         """Stages 1-2, after the gathers that follow a step: the parameters may be written."""
         self.barrier.wait("ZeRO (shm): every rank done gathering the stepped shards")
 
-    def reduce_scatter(self, flat: torch.Tensor, label: str) -> torch.Tensor:
-        """This rank's shard of the sum over the host's ranks of their `flat` (a gradient
-        bucket, padded to split evenly): summed in place into `flat`'s own shard, which is
-        returned. Piece by piece, each rank copies the parts its peers own into its slot,
-        and after a barrier adds its peers' copies of its own part -- the bytes Gloo's
-        all-to-all would carry, copied once instead of through loopback sockets.
-
-        The slots are small and of a fixed size (STAGING_BYTES, as NCCL's buffers are), so
-        no memory grows with the model. They are used in turn: a rank writes one again two
-        pieces later, past the next piece's barrier, which every rank reaches only after
-        reading this one."""
-        size = flat.numel() // self.world
-        for start in range(0, size, self.piece):
-            self._exchange(flat, size, start, min(start + self.piece, size), label)
-        return flat[self.me * size:(self.me + 1) * size]
-
-    def _exchange(self, flat: torch.Tensor, size: int, start: int, stop: int,
-                  label: str) -> None:
-        """One piece: elements [start, stop) of every rank's shard of `flat`."""
-        slots = self.slots[self._pieces % 2]
-        self._pieces += 1
-        count = stop - start
-        own = slots[self.me]
-        for k in range(self.world):
-            if k != self.me:
-                at = _segment(k, self.me) * self.piece
-                own[at:at + count].copy_(flat[k * size + start:k * size + stop])
-        with timeline.span("wait for communication"):  # (what backward's end waits for)
-            self.barrier.wait(f"ZeRO (shm): every rank's {label}, before its reduce-scatter")
-        mine = flat[self.me * size + start:self.me * size + stop]
-        for k, slot in enumerate(slots):
-            if k != self.me:
-                at = _segment(self.me, k) * self.piece
-                mine.add_(slot[at:at + count])
-
-    def end_of_backward(self) -> None:
-        """Every rank has written its flags (share_flags) and read the last bucket."""
-        self.barrier.wait("ZeRO (shm): every rank at the end of backward")
-
     def gather(self, g: FlatGroup) -> None:
         """Fill `g`'s full buffer with every rank's shard (its own already copied in)."""
         size = g.padded_numel // len(self.shards[g.index])
         for k, shard in enumerate(self.shards[g.index]):
             if k != self.me:
                 g.flat[k * size:(k + 1) * size].copy_(shard)
-
-
-def _segment(reader: int, writer: int) -> int:
-    """Where in `writer`'s slot the shard that `reader` owns goes (its own is not there)."""
-    return reader if reader < writer else reader - 1
-
-
-def peers_storages() -> set[int]:
-    """Where the other ranks' shards that this process maps begin (their storages' data
-    pointers): their memory, counted by their owner -- not by a count of this process's
-    live tensors (memory_report never counts them)."""
-    import gc
-
-    return {shard.untyped_storage().data_ptr()
-            for obj in gc.get_objects() if isinstance(obj, HostShards)
-            for shards in obj.shards + obj.slots for k, shard in enumerate(shards)
-            if k != obj.me}
 
 
 def shared_by(groups: list[Any]) -> HostShards | None:

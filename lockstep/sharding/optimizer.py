@@ -17,9 +17,10 @@ from torch import nn
 
 from lockstep import comm
 from lockstep.comm import timeline
+from lockstep.sharding.gather import gather_all
 from lockstep.sharding.hostshards import shared_by, writing_shards
 from lockstep.sharding.pieces import PiecewiseStep, elementwise
-from lockstep.sharding.zero import FlatGroup, gather_all
+from lockstep.sharding.zero import FlatGroup
 
 
 class ZeroOptimizer(torch.optim.Optimizer):

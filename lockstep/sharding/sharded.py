@@ -28,16 +28,10 @@ from lockstep.replication.nonfinite import check_mode
 from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
 from lockstep.sharding import compressed
-from lockstep.sharding.gather import Gatherer, guard_orphans
+from lockstep.sharding.gather import Gatherer, gather_all, guard_orphans
 from lockstep.sharding.hostshards import ALGORITHMS, HostShards, pick_algorithm
 from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.zero import (
-    FlatGroup,
-    ShardedReduction,
-    build_groups,
-    gather_all,
-    reducer_params,
-)
+from lockstep.sharding.zero import FlatGroup, ShardedReduction, build_groups, reducer_params
 
 STAGES = (1, 2, 3)
 

@@ -131,18 +131,6 @@ class FlatGroup:
         self.gathered = False
 
 
-def gather_all(groups: Sequence[FlatGroup], what: str, process_group: comm.Group,
-               exact: bool = False) -> None:
-    """Make every group's full buffer whole from the shards (decoded where the wire is
-    compressed, unless `exact`): all gathers launched, then waited, so the backend may run
-    them side by side. (At stages 1-2 a shard is its slice of the buffer already: copying
-    it in is a copy onto itself, which torch skips.)"""
-    gathers = [g.start_gather(f"{what} of parameter group {g.index}", process_group, exact)
-               for g in groups]
-    for work in gathers:
-        work.wait()
-
-
 def _new_group(index: int, named: list[tuple[str, nn.Parameter]], rank: int, world_size: int,
                sharded_params: bool, mirrored: bool = False, wire: str = "full") -> FlatGroup:
     """Move `named` parameters into one flat buffer (they become views of it)."""
@@ -223,7 +211,7 @@ class ShardedReduction(Reduction):
         self.groups, self.stage, self.group = groups, stage, group
         self.wire = groups[0].wire if groups else "full"
         self.name = f"ZeRO-{stage} " + ("all-reduce" if stage == 1 else "reduce-scatter") + \
-            ("" if self.wire == "full" else f" in {self.wire}")
+            ("" if self.wire == "full" else f" in {self.wire}")  # (the timeline's "via")
         self.world_size = comm.size_of(group)
         # what each group's last compressed reduce-scatter rounded off (compressed.py)
         self.feedback = [torch.zeros(g.padded_numel, dtype=g.flat.dtype, device=g.flat.device)
@@ -232,10 +220,12 @@ class ShardedReduction(Reduction):
                                                                _first(groups, g) + len(g.params))),
                                  tuple(g.offsets), g.numel) for g in groups]
         self.on_reduced: Callable[[int], None] | None = None  # stage 3: free the unit
-        self._in_flight: _Scattering | None = None
         self.on_step_end: Callable[[], None] | None = None    # stage 3: free them all
-        # Stages 2-3 with every rank on one host: reduce-scatters through its memory
-        self.host = groups[0].host if groups and stage >= 2 else None
+        self._in_flight: _Scattering | None = None
+        host = groups[0].host if groups else None  # every rank on one host: its memory
+        self.staging = host.staging if host is not None else None  # (staging.py)
+        if self.staging is not None:
+            self.name += " in host memory"
 
     def plan(self, slots: Sequence[ParamSlot], cap_bytes: int,
              first_cap_bytes: int) -> list[BucketSpec]:
@@ -258,14 +248,17 @@ class ShardedReduction(Reduction):
             bucket.flat.untyped_storage().resize_(0)
 
     def start(self, bucket: Bucket) -> Handle:
+        if self.staging is not None:  # one host: through its memory, on backward's thread
+            if self.stage == 1:
+                self.staging.all_reduce(bucket.flat, bucket.label)
+            else:
+                self._reduced(bucket, self.staging.reduce_scatter(bucket.flat, bucket.label))
+            return Done()
         if self.stage == 1:
             return comm.all_reduce_async(bucket.flat, bucket.label, self.group)
         if self._in_flight is not None:  # one reduce-scatter in flight at a time: its full
             with timeline.span("wait for communication"):  # bucket goes back before the
                 self._in_flight.wait()                       # next is let go
-        if self.host is not None:  # (on the backward's thread, as the all-reduce under shm)
-            self._reduced(bucket, self.host.reduce_scatter(bucket.flat, bucket.label))
-            return Done()
         what = f"reduce-scatter of {bucket.label}"
         if self.wire != "full":
             self._reduced(bucket, compressed.reduce_scatter(
@@ -310,14 +303,13 @@ class ShardedReduction(Reduction):
             group.shard_param.grad = group.shard_grad
             if group.mirror_param is not None:
                 group.mirror_param.grad = group.mirror_grad
-        if self.host is not None:
-            self.host.end_of_backward()  # (the flags, share_flags, are summed after this)
+        if self.staging is not None:
+            self.staging.end_of_backward()  # (the flags, share_flags, are summed after it)
         if self.on_step_end is not None:
             self.on_step_end()
 
-    def share_flags(self, flags: torch.Tensor) -> Handle | None:
-        """Through host memory, the non-finite flags are summed there too."""
-        return self.host.flags.share(flags) if self.host is not None else None
+    def share_flags(self, flags: torch.Tensor) -> Handle | None:  # (on one host: there)
+        return self.staging.flags.share(flags) if self.staging is not None else None
 
     def sent_bytes(self, buckets: Sequence[Bucket]) -> int:
         if self.wire == "full":
