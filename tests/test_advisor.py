@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,15 @@ MODEL = ModelCost(forward_s=10 * MS, backward_s=20 * MS, optimizer_s=2 * MS, out
 PARAM_BYTES = 4 * (256 * 256 + 256)
 
 
+ALL_KINDS = ["all-reduce native", "all-reduce ring", "all-reduce tree", "all-reduce shm",
+             "all-reduce native bf16", "all-reduce native fp16", "reduce-scatter", "all-gather",
+             "shard gather"]
+
+
 def wire(beta: float, alpha: float = 1e-4) -> WireCost:
     """Every collective alpha + S beta: timed at two sizes, a line between them."""
     line = {1: alpha + beta, 1 << 30: alpha + (1 << 30) * beta}
-    kinds = ["all-reduce native", "all-reduce ring", "all-reduce tree",
-             "all-reduce native bf16", "all-reduce native fp16", "reduce-scatter", "all-gather",
-             "shard gather"]
-    return WireCost({kind: line for kind in kinds}, 2, 1)
+    return WireCost({kind: line for kind in ALL_KINDS}, 2, 1)
 
 
 SLOW, FAST = wire(1e-6), wire(1e-11, 1e-6)  # about 8 Mbit/s, and memory speed
@@ -117,14 +120,51 @@ def test_zero_on_one_host_gathers_through_shared_memory_as_its_default_does() ->
         == pytest.approx(native)
 
 
-def measure_shared_gather() -> dict[int, float]:
-    wire = measure_wire([("shard gather shm", 1 << 20)], local_world_size=2, budget_s=0.02)
-    return wire.timed["shard gather shm"]
+def test_zero_on_one_host_sums_its_gradients_through_shared_memory_too() -> None:
+    # Stage 3 on a CPU pays every collective in line: through host memory its two gathers
+    # and its reduce-scatter of each unit cost what the staged kinds were timed at.
+    sockets, memory = {1: 1 * MS, 1 << 30: 1000 * MS}, {1: 0.1 * MS, 1 << 30: 100 * MS}
+    timed = {"reduce-scatter": sockets, "all-reduce native": sockets, "shard gather": sockets,
+             "shard gather shm": memory, "staged reduce-scatter": memory,
+             "staged all-reduce": memory}
+    one_host, unit = WireCost(timed, 2, 2), 4 * MODEL.unit_numels[0]
+    step = {algorithm: predict(Mode("", EXACT, ShardConfig(stage=3, algorithm=algorithm)),
+                               MODEL, one_host).step_s for algorithm in ("auto", "native")}
+    saved = 3 * (one_host.time("reduce-scatter", unit) - one_host.time("shard gather shm", unit))
+    assert step["native"] - step["auto"] == pytest.approx(saved)
+    for stage in (1, 2):  # (the reductions overlap backward there: faster, not by the sum)
+        auto, native = (predict(Mode("", EXACT, ShardConfig(stage=stage, algorithm=a)), MODEL,
+                                one_host).step_s for a in ("auto", "native"))
+        assert auto < native
 
 
-def test_the_shared_memory_gather_is_timed_on_the_job_s_own_ranks(world2: World) -> None:
-    for timed in world2.run(measure_shared_gather):
-        assert list(timed) == [1 << 20] and 0 < timed[1 << 20] < 1.0
+def test_on_a_gpu_the_default_is_the_backend_s_own_all_reduce() -> None:
+    # shm and hierarchical sum in host memory: a GPU job on one host is offered neither,
+    # and its default, algorithm="auto", is predicted as what it resolves to there: native.
+    gpu = replace(MODEL, device="cuda")
+    timed = {kind: {1: 1 * MS, 1 << 30: 1000 * MS} for kind in ALL_KINDS}
+    names = [p.mode.name for p in predict_all(gpu, WireCost(timed, 2, 2), 1e12)]
+    assert "sync native" in names and "sync shm" not in names
+    cpu = [p.mode.name for p in predict_all(MODEL, WireCost(timed, 2, 2), 1e12)]
+    assert "sync shm" in cpu
+    default = Advice(gpu, WireCost(timed, 2, 2), predict_all(gpu, WireCost(timed, 2, 2), 1e12),
+                     64, 1e12).default
+    assert default.mode.name == "sync native"
+
+
+ON_HOST = ("shard gather shm", "staged reduce-scatter", "staged all-reduce")
+
+
+def measure_on_host() -> dict[str, dict[int, float]]:
+    wire = measure_wire([(kind, 1 << 20) for kind in ON_HOST], local_world_size=2,
+                        budget_s=0.02)
+    return wire.timed
+
+
+def test_the_shared_memory_collectives_are_timed_on_the_job_s_own_ranks(world2: World) -> None:
+    for timed in world2.run(measure_on_host):
+        assert set(timed) == set(ON_HOST)
+        assert all(list(t) == [1 << 20] and 0 < t[1 << 20] < 1.0 for t in timed.values())
 
 
 def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:

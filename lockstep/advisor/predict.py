@@ -32,6 +32,8 @@ from lockstep.advisor.wire import (
     GATHER_SHARDS,
     GATHER_SHM,
     REDUCE_SCATTER,
+    STAGED_ALL_REDUCE,
+    STAGED_REDUCE_SCATTER,
     Asking,
     WireCost,
     algorithms_for,
@@ -85,9 +87,9 @@ class Prediction:
         return max(self.step_s - self.compute_s, 0.0) / self.step_s if self.step_s else 0.0
 
 
-def modes(world_size: int, local_world_size: int) -> list[Mode]:
+def modes(world_size: int, local_world_size: int, device: str = "cpu") -> list[Mode]:
     found = [Mode(f"sync {a}", EXACT, SyncConfig(algorithm=a))
-             for a in algorithms_for(world_size, local_world_size)]
+             for a in algorithms_for(world_size, local_world_size, device)]
     found += [Mode(f"sync {c}", ROUNDED, SyncConfig(compress=c)) for c in ("bf16", "fp16")]
     found += [Mode("sync powersgd", COMPRESSED, SyncConfig(compress=PowerSGD())),
               Mode("sync topk", COMPRESSED, SyncConfig(compress=TopK(TOPK_RATIO)))]
@@ -102,7 +104,7 @@ def predict_all(model: ModelCost, wire: WireCost, memory_bytes: float) -> list[P
     """Every mode's prediction; a mode whose model state exceeds `memory_bytes` per rank
     is marked as not fitting."""
     found = []
-    for mode in modes(wire.world_size, wire.local_world_size):
+    for mode in modes(wire.world_size, wire.local_world_size, model.device):
         p = predict(mode, model, wire)
         found.append(Prediction(p.mode, p.step_s, p.compute_s, p.wire_bytes, p.state_bytes,
                                 p.state_bytes <= memory_bytes))
@@ -110,7 +112,7 @@ def predict_all(model: ModelCost, wire: WireCost, memory_bytes: float) -> list[P
 
 
 def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
-    config, n = _resolved(mode.config, wire), wire.world_size
+    config, n = _resolved(mode.config, wire, model.device), wire.world_size
     S = model.param_bytes
     state = _state_bytes(config, S, model.state_bytes, n)
     if isinstance(config, (LocalSGDConfig, DiLoCoConfig)):
@@ -137,14 +139,14 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     return Prediction(mode, step, compute, sent, state)
 
 
-def _resolved(config: Any, wire: WireCost) -> Any:
+def _resolved(config: Any, wire: WireCost, device: str) -> Any:
     """A SyncConfig's algorithm="auto" as the job would resolve it on this layout
-    (choices.resolve_algorithm): shm inside one host of several ranks, uncompressed --
-    where the layout's modes include it -- else native."""
+    (choices.resolve_algorithm): shm inside one host of several ranks on its CPU,
+    uncompressed -- where the layout's modes include it -- else native."""
     if not isinstance(config, SyncConfig) or config.algorithm != "auto":
         return config
     shared = config.compress is None and \
-        "shm" in algorithms_for(wire.world_size, wire.local_world_size)
+        "shm" in algorithms_for(wire.world_size, wire.local_world_size, device)
     return replace(config, algorithm="shm" if shared else "native")
 
 
@@ -178,8 +180,7 @@ def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
     total = sum(sizes)
     compress = getattr(config, "compress", None)
     if isinstance(config, ShardConfig):
-        kind = f"{ALL_REDUCE} native" if config.stage == 1 else REDUCE_SCATTER
-        return [wire.time(kind, s) for s in sizes], float(total)
+        return [_reduce(config, wire, s) for s in sizes], float(total)
     if compress is None:
         return [wire.all_reduce(config.algorithm, s) for s in sizes], float(total)
     if compress in ("bf16", "fp16"):
@@ -203,15 +204,28 @@ def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
 
 
 def _gather(config: ShardConfig, wire: WireCost, nbytes: int) -> float:
-    """Seconds for one of ZeRO's gathers: through host memory where algorithm="auto" (or
-    "shm") takes it -- every rank on one host's CPU (sharding/hostshards.py; measure_wire
-    times it only there) -- else through the backend's sockets."""
+    """Seconds for one of ZeRO's gathers of parameter shards."""
+    return _zero_collective(config, wire, GATHER_SHM, GATHER_SHARDS, nbytes)
+
+
+def _reduce(config: ShardConfig, wire: WireCost, nbytes: int) -> float:
+    """Seconds for ZeRO's reduction of one gradient bucket (stage 1 all-reduces it)."""
+    if config.stage == 1:
+        return _zero_collective(config, wire, STAGED_ALL_REDUCE, f"{ALL_REDUCE} native", nbytes)
+    return _zero_collective(config, wire, STAGED_REDUCE_SCATTER, REDUCE_SCATTER, nbytes)
+
+
+def _zero_collective(config: ShardConfig, wire: WireCost, on_host: str, sockets: str,
+                     nbytes: int) -> float:
+    """Seconds for one of ZeRO's collectives: through host memory where algorithm="auto"
+    (or "shm") takes it -- every rank on one host's CPU (sharding/hostshards.py, staging.py;
+    measure_wire times it only there) -- else through the backend's sockets."""
     shared = config.algorithm != "native" and wire.world_size == wire.local_world_size
     if shared and isinstance(wire, Asking):
-        wire.time(GATHER_SHARDS, nbytes)  # (asked too: where memory cannot be shared)
-    elif shared and GATHER_SHM not in wire.timed:
+        wire.time(sockets, nbytes)  # (asked too: where memory cannot be shared)
+    elif shared and on_host not in wire.timed:
         shared = False
-    return wire.time(GATHER_SHM if shared else GATHER_SHARDS, nbytes)
+    return wire.time(on_host if shared else sockets, nbytes)
 
 
 def _zero3(model: ModelCost, wire: WireCost, config: ShardConfig) -> tuple[float, float]:
@@ -224,7 +238,7 @@ def _zero3(model: ModelCost, wire: WireCost, config: ShardConfig) -> tuple[float
     a step where hiding would have made it 117; the sum of the two made it 205."""
     units = [n * model.element_size for n in model.unit_numels]
     gather = [_gather(config, wire, u) for u in units]
-    scatter = [wire.time(REDUCE_SCATTER, u) for u in units]
+    scatter = [_reduce(config, wire, u) for u in units]
     if model.device == "cuda":
         forward = gather[0] + max(model.forward_s, sum(gather[1:]))
         backward = gather[-1] + max(model.backward_s, sum(gather[:-1]) + sum(scatter[1:])) \

@@ -23,6 +23,7 @@ from lockstep.comm.shm import HostBarrier, HostMemory, peers_mappable, shm_avail
 from lockstep.comm.world import current
 from lockstep.replication.choices import make_algorithm
 from lockstep.replication.compress import HALF_DTYPES
+from lockstep.sharding.staging import Staging
 
 ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all-reduce", "reduce-scatter", "all-gather"
 GATHER_SHARDS = "shard gather"
@@ -32,6 +33,8 @@ GATHER_SHM = "shard gather shm"
 """The same through host-shared memory (ZeRO's algorithm="auto" where every rank is on one
 host's CPU, sharding/hostshards.py): a copy of each peer's shard, then a host barrier.
 Timed only where the ranks can map each other's memory; else absent (the sockets' apply)."""
+STAGED_REDUCE_SCATTER, STAGED_ALL_REDUCE = "staged reduce-scatter", "staged all-reduce"
+"""ZeRO's gradient reductions there (sharding/staging.py): stages 2-3, and stage 1's."""
 Kind = str
 """ALL_REDUCE + " " + an algorithm ("all-reduce native"), and a 16-bit dtype where the
 buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER,
@@ -85,12 +88,13 @@ class Asking(WireCost):
         return 0.0
 
 
-def algorithms_for(world_size: int, local_world_size: int) -> list[str]:
+def algorithms_for(world_size: int, local_world_size: int, device: str = "cpu") -> list[str]:
     """The all-reduce algorithms that apply to this layout: shm inside one host of several
-    ranks, hierarchical across hosts of several ranks each."""
+    ranks, hierarchical across hosts of several ranks each (both sum in host memory: on a
+    CPU only)."""
     hosts = world_size // local_world_size
     names = ["native", "ring", "tree"]
-    if local_world_size > 1:
+    if local_world_size > 1 and device == "cpu":
         names.append("shm" if hosts == 1 else "hierarchical")
     return names
 
@@ -100,6 +104,7 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
     """Time every (collective, size) in `asked`. Collective: every rank passes the same."""
     timed: dict[Kind, dict[int, float]] = {}
     wanted: dict[Kind, list[int]] = {}
+    on_host, memory = None, None  # whether the ranks can share host memory; that memory
     for kind, nbytes in sorted(set(asked)):
         wanted.setdefault(kind, []).append(max(nbytes // 4 * 4, 4))
     wanted = {kind: sorted(set(sizes)) for kind, sizes in wanted.items()}
@@ -113,11 +118,14 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
                 timed[kind] = {n: time_reduction(algorithm, n, budget_s) for n in sizes}
             finally:
                 algorithm.close()
-        elif kind == GATHER_SHM:
-            if comm.size_of() == local_world_size and current().device.type == "cpu" and \
-                    shm_available() is None and peers_mappable(None):
-                memory = HostMemory(None)
-                timed[kind] = {n: slowest_median(_gather_shm(n, memory), budget_s, 100)
+        elif kind in ON_HOST:
+            if on_host is None:  # (asked once, collectively, for all of them)
+                on_host = comm.size_of() == local_world_size and \
+                    current().device.type == "cpu" and shm_available() is None and \
+                    peers_mappable(None)
+                memory = HostMemory(None) if on_host else None
+            if memory is not None:
+                timed[kind] = {n: slowest_median(ON_HOST[kind](n, memory), budget_s, 100)
                                for n in sizes}
         else:
             start = {REDUCE_SCATTER: _reduce_scatter, ALL_GATHER: _all_gather,
@@ -159,6 +167,22 @@ def _gather_shm(nbytes: int, memory: HostMemory) -> Callable[[], object]:
                 whole[k * shard.numel():(k + 1) * shard.numel()].copy_(shard)
         barrier.wait("advisor: shared-memory gather probe")
     return gather
+
+
+def _staged(stage: int) -> Callable[[int, HostMemory], Callable[[], object]]:
+    """As ShardedReduction through host memory: stage 1's all-reduce, else reduce-scatter."""
+    def make(nbytes: int, memory: HostMemory) -> Callable[[], object]:
+        whole, _ = _buffers(nbytes)
+        barrier = HostBarrier(memory, current().timeout.total_seconds())
+        staging = Staging(memory, barrier, stage, whole.dtype)
+        if stage == 1:
+            return lambda: staging.all_reduce(whole, "advisor: staged all-reduce probe")
+        return lambda: staging.reduce_scatter(whole, "advisor: staged reduce-scatter probe")
+    return make
+
+
+ON_HOST = {GATHER_SHM: _gather_shm, STAGED_REDUCE_SCATTER: _staged(2),
+           STAGED_ALL_REDUCE: _staged(1)}
 
 
 def _gather_shards(nbytes: int) -> Callable[[], object]:
