@@ -209,6 +209,11 @@ def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     `ranks`."""
     group = dist.new_group(ranks=list(ranks), timeout=default_timeout())
     assert group is not None
+    if dist.get_rank() in ranks and len(ranks) > 1:
+        # Gloo connects a group's pairs as each rank gets to them: a rank done connecting
+        # could go on and destroy the group (a wrapper built and closed at once) while a
+        # slower peer still connects, which then fails ("Connection closed by peer").
+        barrier("every rank of a new process group connected", group)
     return group
 
 
