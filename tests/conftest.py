@@ -67,6 +67,7 @@ LONGEST_FIRST = (
 )
 
 
+@pytest.hookimpl(trylast=True)  # after -m's deselection: the halves are of what runs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         return next((k for k, prefix in enumerate(LONGEST_FIRST)

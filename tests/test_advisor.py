@@ -132,7 +132,7 @@ def test_zero_on_one_host_sums_its_gradients_through_shared_memory_too() -> None
                                MODEL, one_host).step_s for algorithm in ("auto", "native")}
     saved = 3 * (one_host.time("reduce-scatter", unit) - one_host.time("shard gather shm", unit))
     assert step["native"] - step["auto"] == pytest.approx(saved)
-    for stage in (1, 2):  # (the reductions overlap backward there: faster, not by the sum)
+    for stage in (1, 2):  # each bucket reduced, and gathered after the step, from memory
         auto, native = (predict(Mode("", EXACT, ShardConfig(stage=stage, algorithm=a)), MODEL,
                                 one_host).step_s for a in ("auto", "native"))
         assert auto < native

@@ -92,7 +92,7 @@ def reduce_in_pieces_read_late(staging: Staging, late: bool) -> None:
     takes several and the slots are reused within it; on the `late` rank every third
     barrier returns 2 ms late, so its peers write their next piece while it has yet to read
     this one (one slot, or a missing barrier, would have them overwrite what it reads)."""
-    staging.piece = 40
+    staging.piece = dict.fromkeys(staging.piece, 40)
     if not late:
         return
     wait, calls = staging.barrier.wait, itertools.count()
@@ -102,6 +102,50 @@ def reduce_in_pieces_read_late(staging: Staging, late: bool) -> None:
         if next(calls) % 3 == 0:
             time.sleep(0.002)
     staging.barrier.wait = wait_then_dawdle  # type: ignore[method-assign]
+
+
+class Mixed(torch.nn.Module):
+    """A float64 layer and a float32 one, each with a loss of its own (so the float64
+    gradients owe nothing to float32 arithmetic): ZeRO's groups come in two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = torch.nn.Linear(8, 16, dtype=torch.float64)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.wide(x.double()).square().mean() + self.head(x).square().mean().double()
+
+
+def train_mixed(stage: int) -> list[float]:
+    """Three SGD steps through host memory, against one process on the global batch:
+    each parameter's largest difference, relative to its dtype's epsilon."""
+    world = lockstep.init()
+    net, reference = Mixed(), Mixed()
+    model = lockstep.shard(net, stage, algorithm="shm")
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    x = torch.randn(4 * world.world_size, 8, generator=torch.Generator().manual_seed(1))
+    mine = x[world.rank * 4:(world.rank + 1) * 4]
+    for _ in range(3):
+        opt.zero_grad()
+        model(mine).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        reference(x).backward()
+        ref_opt.step()
+    whole = model.full_state_dict()
+    return [((whole[name] - q).abs().max() / torch.finfo(q.dtype).eps).item()
+            for name, q in reference.state_dict().items()]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_of_each_dtype_are_summed_in_their_own(world2: World, stage: int) -> None:
+    """Through host memory each dtype has slots of its own: a float64 gradient is never
+    rounded to float32 on its way (it was, when the slots took the first group's dtype)."""
+    for gaps in world2.run(train_mixed, stage):
+        assert max(gaps) < 64, gaps
 
 
 def load_then_evaluate() -> tuple[torch.Tensor, torch.Tensor, list[str]]:
@@ -168,7 +212,7 @@ def steps_on_one_host(stage: int) -> tuple[list[str], str]:
             return labels, str(caught)
         opt.step()
         opt.zero_grad()
-        if step == 2:  # (the first backward also shares the order gradients arrived in)
+        if step == 2:  # (the first step also builds the optimizer's state)
             labels = issued_since(seen)
     return labels, ""
 
@@ -182,7 +226,7 @@ def test_on_one_host_a_step_waits_on_no_socket_and_a_nan_still_stops_it(world2: 
     for rank, (labels, error) in enumerate(world2.run(steps_on_one_host, stage)):
         assert labels and all(label.startswith("ZeRO (shm): ") for label in labels), \
             [label for label in labels if not label.startswith("ZeRO (shm): ")]
-        assert sum("before its reduce-scatter" in label for label in labels) >= 3
+        assert sum("before its " in label for label in labels) >= 3  # reduce-scatter/all-reduce
         assert f"rank {rank}: synchronised backward 3:" in error and "rank(s) [1]" in error
 
 

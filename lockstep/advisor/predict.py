@@ -133,7 +133,10 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
         after = sum(_gather(config, wire, b) for b in _sizes(model, buckets))
         sent += S
     ready = [max(model.ready_s[i] for i in b) for b in buckets]
-    backward_end = _pipeline(ready, durations, model.backward_s)
+    if _in_line(config, wire):  # summed on backward's own thread: it waits for each
+        backward_end = model.backward_s + sum(durations)
+    else:
+        backward_end = _pipeline(ready, durations, model.backward_s)
     earlier = (model.micro_steps - 1) * (model.forward_s + model.backward_s)
     step = earlier + model.forward_s + backward_end + optimizer + after + model.wrapper_s
     return Prediction(mode, step, compute, sent, state)
@@ -220,12 +223,27 @@ def _zero_collective(config: ShardConfig, wire: WireCost, on_host: str, sockets:
     """Seconds for one of ZeRO's collectives: through host memory where algorithm="auto"
     (or "shm") takes it -- every rank on one host's CPU (sharding/hostshards.py, staging.py;
     measure_wire times it only there) -- else through the backend's sockets."""
-    shared = config.algorithm != "native" and wire.world_size == wire.local_world_size
+    shared = _host_memory(config, wire)
     if shared and isinstance(wire, Asking):
         wire.time(sockets, nbytes)  # (asked too: where memory cannot be shared)
     elif shared and on_host not in wire.timed:
         shared = False
     return wire.time(on_host if shared else sockets, nbytes)
+
+
+def _host_memory(config: ShardConfig, wire: WireCost) -> bool:
+    """Whether ZeRO's algorithm takes host memory on this layout (where it can be mapped)."""
+    return config.algorithm != "native" and wire.world_size == wire.local_world_size
+
+
+def _in_line(config: Any, wire: WireCost) -> bool:
+    """Whether the buckets are summed on backward's own thread, as each fills -- through
+    host memory (the shm all-reduce; ZeRO's staging where it was timed) -- so backward
+    waits for each instead of computing on beside it."""
+    if isinstance(config, ShardConfig):
+        kind = STAGED_ALL_REDUCE if config.stage == 1 else STAGED_REDUCE_SCATTER
+        return _host_memory(config, wire) and kind in wire.timed
+    return getattr(config, "algorithm", None) == "shm"
 
 
 def _zero3(model: ModelCost, wire: WireCost, config: ShardConfig) -> tuple[float, float]:

@@ -174,7 +174,7 @@ def _staged(stage: int) -> Callable[[int, HostMemory], Callable[[], object]]:
     def make(nbytes: int, memory: HostMemory) -> Callable[[], object]:
         whole, _ = _buffers(nbytes)
         barrier = HostBarrier(memory, current().timeout.total_seconds())
-        staging = Staging(memory, barrier, stage, whole.dtype)
+        staging = Staging(memory, barrier, stage, [whole.dtype])
         if stage == 1:
             return lambda: staging.all_reduce(whole, "advisor: staged all-reduce probe")
         return lambda: staging.reduce_scatter(whole, "advisor: staged reduce-scatter probe")

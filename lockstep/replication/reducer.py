@@ -22,7 +22,8 @@ inside it. The hooks hold the reducer weakly: a dropped wrapper is freed, and it
 with it.
 
 After the first synchronised backward the plan is rebuilt in the order gradients actually
-arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier.
+arrived (rank 0's order, broadcast), so buckets fill contiguously and launch earlier -- unless
+the reduction's plan is fixed (ZeRO's buckets are its shards' layout: `fixed_plan`).
 """
 
 from __future__ import annotations

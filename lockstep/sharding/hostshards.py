@@ -78,13 +78,13 @@ class HostShards:
         self.memory = HostMemory(group)
         self.barrier = HostBarrier(self.memory, current().timeout.total_seconds())
         self.me = self.memory.local_rank
-        self.world = len(self.memory.pids)
         # per group, each local rank's shard as this rank sees it
         self.shards = [self._share(g, stage) for g in groups]
         for g in groups:
             g.host = self
         # the gradients' way: summed through the host's memory as well
-        self.staging = Staging(self.memory, self.barrier, stage, groups[0].flat.dtype)
+        dtypes = list(dict.fromkeys(g.flat.dtype for g in groups))  # (in the groups' order)
+        self.staging = Staging(self.memory, self.barrier, stage, dtypes)
         self.barrier.wait("ZeRO (shm): every rank's shards in host memory")
 
     def _share(self, g: FlatGroup, stage: int) -> list[torch.Tensor]:

@@ -8,16 +8,19 @@ user space instead of through the kernel. That is the reduce-scatter of stages 2
 needs the whole sum on every rank: each rank then leaves its summed part in a second slot,
 and after another barrier copies its peers' parts back into its bucket.
 
-The slots are small and of a fixed size (STAGING_BYTES, as NCCL's buffers are), so no
-memory grows with the model: a bucket is summed piece by piece, a barrier per step of a
-piece. Each kind of slot comes in two, used in turn: a rank writes one again two pieces
-later, past a barrier every rank reaches only after it has read that slot.
+The slots are small and of a fixed size (STAGING_BYTES per dtype the buckets come in, as
+NCCL's buffers are), so no memory grows with the model: a bucket is summed piece by piece,
+a barrier per step of a piece. Each kind of slot comes in two, used in turn: a rank writes
+one again two pieces later, past a barrier every rank reaches only after it has read that
+slot.
 
 The ranks' non-finite flags are summed here too (HostFlags), after the barrier at
 backward's end, so that a step on one host waits on no socket at all.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -32,60 +35,66 @@ STAGING_BYTES = 1 << 20
 
 class Staging:
     """Sums gradient buckets (padded to split evenly among the host's ranks) through
-    staging slots in host memory. Collective over the host: every rank reduces the same
-    buckets in the same order."""
+    staging slots in host memory, a set per dtype the buckets come in. Collective over the
+    host: every rank reduces the same buckets in the same order."""
 
     def __init__(self, memory: HostMemory, barrier: HostBarrier, stage: int,
-                 dtype: torch.dtype) -> None:
-        self.barrier = barrier
+                 dtypes: Sequence[torch.dtype]) -> None:
+        self.barrier, self.stage = barrier, stage
         self.me, self.world = memory.local_rank, len(memory.pids)
-        parts = self.world - 1 + (1 if stage == 1 else 0)  # per slot pair, in pieces
-        self.piece = max(1, STAGING_BYTES // 2 // parts // dtype.itemsize)
-        # per use in turn, every rank's slot as this rank sees it
-        self.parts = [memory.allocate(self.piece * (self.world - 1), dtype) for _ in range(2)]
-        self.sums = [memory.allocate(self.piece, dtype) for _ in range(2)] if stage == 1 else []
+        parts = max(1, self.world - 1 + (1 if stage == 1 else 0))  # per slot pair, in pieces
+        # Per dtype (in the same order on every rank: the slots are allocated collectively):
+        # elements a piece holds, and per use in turn every rank's slot as this rank sees it.
+        # One counter of pieces for all: a slot's next use is still two pieces later.
+        self.piece = {d: max(1, STAGING_BYTES // 2 // parts // d.itemsize) for d in dtypes}
+        self.parts = {d: [memory.allocate(self.piece[d] * (self.world - 1), d)
+                          for _ in range(2)] for d in self.piece}
+        self.sums = {d: [memory.allocate(self.piece[d], d) for _ in range(2)]
+                     for d in self.piece} if stage == 1 else {}
         self.flags = HostFlags(memory, self.world + 1, torch.int32)
         self._pieces = 0
 
     def reduce_scatter(self, flat: torch.Tensor, label: str) -> torch.Tensor:
         """This rank's shard of the sum over the host's ranks of their `flat`: summed in
         place into `flat`'s own shard, which is returned."""
-        size = flat.numel() // self.world
-        for start in range(0, size, self.piece):
-            self._sum_piece(flat, size, start, min(start + self.piece, size), label)
+        size, piece = flat.numel() // self.world, self.piece[flat.dtype]
+        for start in range(0, size, piece):
+            self._sum_piece(flat, size, start, min(start + piece, size),
+                            f"ZeRO (shm): every rank's {label}, before its reduce-scatter")
         return flat[self.me * size:(self.me + 1) * size]
 
     def all_reduce(self, flat: torch.Tensor, label: str) -> None:
         """The sum over the host's ranks of their `flat`, in place in every rank's."""
-        size = flat.numel() // self.world
-        for start in range(0, size, self.piece):
-            stop = min(start + self.piece, size)
-            self._sum_piece(flat, size, start, stop, label)
+        size, piece = flat.numel() // self.world, self.piece[flat.dtype]
+        for start in range(0, size, piece):
+            stop = min(start + piece, size)
+            self._sum_piece(flat, size, start, stop,
+                            f"ZeRO (shm): every rank's {label}, before its all-reduce")
             self._share_piece(flat, size, start, stop, label)
 
     def _sum_piece(self, flat: torch.Tensor, size: int, start: int, stop: int,
-                   label: str) -> None:
+                   what: str) -> None:
         """Elements [start, stop) of this rank's shard of `flat`, summed over the ranks."""
-        slots = self.parts[self._pieces % 2]
+        slots, piece = self.parts[flat.dtype][self._pieces % 2], self.piece[flat.dtype]
         self._pieces += 1
         count = stop - start
         own = slots[self.me]
         for k in range(self.world):
             if k != self.me:
-                at = _segment(k, self.me) * self.piece
+                at = _segment(k, self.me) * piece
                 own[at:at + count].copy_(flat[k * size + start:k * size + stop])
-        self._wait(f"ZeRO (shm): every rank's {label}, before its reduce-scatter")
+        self._wait(what)
         mine = flat[self.me * size + start:self.me * size + stop]
         for k, slot in enumerate(slots):
             if k != self.me:
-                at = _segment(self.me, k) * self.piece
+                at = _segment(self.me, k) * piece
                 mine.add_(slot[at:at + count])
 
     def _share_piece(self, flat: torch.Tensor, size: int, start: int, stop: int,
                      label: str) -> None:
         """Stage 1: every rank's summed piece [start, stop) copied into every rank's `flat`.
         (Its slot was last read before the barrier of the piece summed just now.)"""
-        slots = self.sums[(self._pieces - 1) % 2]
+        slots = self.sums[flat.dtype][(self._pieces - 1) % 2]
         count = stop - start
         slots[self.me][:count].copy_(flat[self.me * size + start:self.me * size + stop])
         self._wait(f"ZeRO (shm): every rank's sum of its part of {label}")
@@ -103,7 +112,8 @@ class Staging:
 
     def slots(self) -> list[list[torch.Tensor]]:
         """Every rank's slots, as this rank maps them."""
-        return [*self.parts, *self.sums, self.flags.slots]
+        return [*(s for pair in self.parts.values() for s in pair),
+                *(s for pair in self.sums.values() for s in pair), self.flags.slots]
 
 
 def _segment(reader: int, writer: int) -> int:
