@@ -97,8 +97,8 @@ def reduce_in_pieces_read_late(staging: Staging, late: bool) -> None:
         return
     wait, calls = staging.barrier.wait, itertools.count()
 
-    def wait_then_dawdle(what: str) -> None:
-        wait(what)
+    def wait_then_dawdle(what: str, in_backward: bool = False) -> None:
+        wait(what, in_backward)
         if next(calls) % 3 == 0:
             time.sleep(0.002)
     staging.barrier.wait = wait_then_dawdle  # type: ignore[method-assign]

@@ -63,7 +63,7 @@ class Advice:
     @property
     def default(self) -> Prediction:
         """What SyncConfig() trains with: algorithm="auto" is shm where the ranks share one
-        host (the only layout whose modes include it), native elsewhere."""
+        host's CPU (the only layout whose modes include it), native elsewhere."""
         names = {p.mode.name for p in self.predictions}
         return self.prediction("sync shm" if "sync shm" in names else "sync native")
 

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from lockstep import comm
+from lockstep.comm import timeline
 from lockstep.comm.diagnostics import explain_stall
 from lockstep.comm.failures import timed_out
 from lockstep.comm.ledger import Record, ledger
@@ -135,7 +136,18 @@ class HostBarrier:
         self.flags = [flag.numpy() for flag in flags]  # numpy: cheap scalar reads
         self.generation = 0
 
-    def wait(self, what: str) -> None:
+    def wait(self, what: str, in_backward: bool = False) -> None:
+        """Until every rank on the host has reached this barrier. Waited `in_backward`, it
+        is what backward's end waits for over sockets, and the step timeline counts it so
+        (attribution.py: a rank's compute in backward excludes it, or the ranks waiting for
+        a straggler would look slow)."""
+        if not in_backward:
+            self._wait(what)
+            return
+        with timeline.span("wait for communication"):
+            self._wait(what)
+
+    def _wait(self, what: str) -> None:
         if not self.spin:
             comm.barrier(what, self.memory.group)
             return

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 import torch
 
 from lockstep import comm
-from lockstep.comm import timeline
 from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
 from lockstep.comm.topology import Topology
 from lockstep.replication.algorithms import AllReduce, Threaded
@@ -84,7 +83,7 @@ class HostSlices:
 
     def sum_my_slice(self, flat: torch.Tensor, label: str) -> tuple[torch.Tensor, slice]:
         """Wait for the host's ranks to have this bucket; sum my slice of it in place."""
-        self._barrier(label, self.in_backward)  # (a stall names the bucket, as a socket's would)
+        self.barrier.wait(label, self.in_backward)  # (a stall names the bucket, as sockets do)
         mine = self.slice_of(len(flat), self.me)
         peers = [b for rank, b in enumerate(self._peers[flat.data_ptr()]) if rank != self.me]
         private = self._private.pop(flat.data_ptr(), [])
@@ -108,18 +107,7 @@ class HostSlices:
                 buffer[mine].copy_(total)
 
     def end_of_backward(self) -> None:
-        self._barrier("every rank on the host has written its slices of this step", True)
-
-    def _barrier(self, what: str, in_backward: bool) -> None:
-        """The host barrier. Waited in backward, it is what backward's end waits for over
-        sockets, and the step timeline counts it so (attribution.py: a rank's compute in
-        backward excludes it, or the ranks waiting for a straggler would look slow)."""
-        recording = timeline.active() if in_backward else None
-        if recording is None:
-            self.barrier.wait(what)
-            return
-        with recording.span("wait for communication"):
-            self.barrier.wait(what)
+        self.barrier.wait("every rank on the host has written its slices of this step", True)
 
     def share_flags(self, flags: torch.Tensor) -> Handle | None:
         """Sum the ranks' small `flags` through host memory (HostFlags): waited on after

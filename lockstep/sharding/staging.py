@@ -24,7 +24,6 @@ from collections.abc import Sequence
 
 import torch
 
-from lockstep.comm import timeline
 from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
 
 # Host memory per rank for the staging slots: between two ranks, pieces of 128K floats (a
@@ -40,7 +39,7 @@ class Staging:
 
     def __init__(self, memory: HostMemory, barrier: HostBarrier, stage: int,
                  dtypes: Sequence[torch.dtype]) -> None:
-        self.barrier, self.stage = barrier, stage
+        self.barrier = barrier
         self.me, self.world = memory.local_rank, len(memory.pids)
         parts = max(1, self.world - 1 + (1 if stage == 1 else 0))  # per slot pair, in pieces
         # Per dtype (in the same order on every rank: the slots are allocated collectively):
@@ -83,7 +82,7 @@ class Staging:
             if k != self.me:
                 at = _segment(k, self.me) * piece
                 own[at:at + count].copy_(flat[k * size + start:k * size + stop])
-        self._wait(what)
+        self.barrier.wait(what, in_backward=True)
         mine = flat[self.me * size + start:self.me * size + stop]
         for k, slot in enumerate(slots):
             if k != self.me:
@@ -97,14 +96,11 @@ class Staging:
         slots = self.sums[flat.dtype][(self._pieces - 1) % 2]
         count = stop - start
         slots[self.me][:count].copy_(flat[self.me * size + start:self.me * size + stop])
-        self._wait(f"ZeRO (shm): every rank's sum of its part of {label}")
+        self.barrier.wait(f"ZeRO (shm): every rank's sum of its part of {label}",
+                          in_backward=True)
         for k, slot in enumerate(slots):
             if k != self.me:
                 flat[k * size + start:k * size + stop].copy_(slot[:count])
-
-    def _wait(self, what: str) -> None:
-        with timeline.span("wait for communication"):  # (what backward's end waits for)
-            self.barrier.wait(what)
 
     def end_of_backward(self) -> None:
         """Every rank has written its flags and read the last piece of every bucket."""
