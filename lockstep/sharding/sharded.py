@@ -3,7 +3,7 @@
     model = lockstep.shard(net, stage=3)        # every rank, like DataParallel(net)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-4)
 
-The result is a DataParallel whose buckets travel ZeRO's way (zero.ShardedReduction): the
+The result is a DataParallel whose buckets travel ZeRO's way (gradients.ShardedReduction): the
 module's parameters are laid out in flat groups and, at stage 3, sharded and gathered just
 in time (gather.py). It owns what sharding changes: the optimizer over shards, state dicts
 (whole through `full_state_dict`, a collective; sharded for checkpoints) and its memory
@@ -29,9 +29,10 @@ from lockstep.replication.reduction import Reduction
 from lockstep.replication.replica import DataParallel
 from lockstep.sharding import compressed
 from lockstep.sharding.gather import Gatherer, gather_all, guard_orphans
+from lockstep.sharding.gradients import ShardedReduction
 from lockstep.sharding.hostshards import ALGORITHMS, HostShards, pick_algorithm
 from lockstep.sharding.optimizer import ZeroOptimizer
-from lockstep.sharding.zero import FlatGroup, ShardedReduction, build_groups, reducer_params
+from lockstep.sharding.zero import FlatGroup, build_groups, reducer_params
 
 STAGES = (1, 2, 3)
 
