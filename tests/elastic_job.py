@@ -10,15 +10,17 @@ training on the same global batches.
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 import lockstep
 from lockstep import comm
-from lockstep.elastic import Elastic, ElasticConfig, batch_slice
+from lockstep.elastic import Elastic, ElasticConfig, batch_slice, regroup
 from lockstep.elastic.heartbeat import pending_joiners
 from lockstep.lowcomm.rounds import DiLoCo, LocalSGD
 from lockstep.lowcomm.streaming import StreamingDiLoCo
@@ -87,6 +89,20 @@ def hold(job: Elastic) -> None:
         time.sleep(0.05)
 
 
+def die_handing_over(job: Elastic) -> None:
+    """The member that is rank 0 when a joiner is let in is killed as it begins to hand the
+    joiner its state -- after ZeRO's pool gave the joiner its shards: a second failure in
+    the middle of an admission."""
+    real = regroup.hand_over
+
+    def hand_over(*args: Any, **kwargs: Any) -> Any:
+        if job.world.rank == 0 and job.membership is not None and job.membership.joined:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    regroup.hand_over = hand_over
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -105,6 +121,8 @@ def main() -> None:
                    "large, so that handing state to a joiner takes a while")
     p.add_argument("--plain-optimizer", action="store_true", help="ZeRO with a torch "
                    "optimizer (refused: it cannot be rebuilt over the shards)")
+    p.add_argument("--die-handing-over", action="store_true", help="rank 0 is killed as it "
+                   "begins to hand its state to a joiner (die_handing_over)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     x, y = data()
@@ -128,6 +146,8 @@ def main() -> None:
     job = Elastic(model, optimizer, wrapper(args.mode, args.every, args.algorithm),
                   state={"schedule": lr}, config=config, update=update)
     me = job.coordinator.id
+    if args.die_handing_over:
+        die_handing_over(job)
     log = (Path(args.out) / f"worker-{me}.jsonl").open("a")
 
     def train_step(replica: nn.Module, step: int) -> None:

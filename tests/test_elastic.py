@@ -526,6 +526,38 @@ def test_zero_2_under_elastic_goes_on_through_a_kill_and_a_join(tmp_path: Path) 
                                        rtol=1e-9, atol=1e-11)
 
 
+def test_a_second_death_inside_an_admission_loses_no_zero_shard(tmp_path: Path) -> None:
+    """ZeRO-2, 2 workers and a joiner: the pool gives the joiner its shards -- among them its
+    mirror of rank 0's, then the only other copy -- and rank 0 is killed as it begins to
+    hand the joiner the rest of its state. The next membership takes rank 0's shard from
+    the joiner's mirror, at the step the pool brought it to. Before, the joiner held its
+    shards labelled with its own step (0): no survivor held rank 0's at the job's step,
+    and the job stopped."""
+    steps, port = 40, free_port()
+    args = ["--steps", str(steps), "--pace", "0.04", "--mode", "zero", "--hold-at", "10",
+            "--die-handing-over"]
+    first = _launch(tmp_path, port, 2, args, "launcher1.err")
+    second = None
+    try:
+        _wait_for(tmp_path, lambda r: r["attempt"] >= 5, 90, "step 5")
+        second = _launch(tmp_path, port, 1, args, "launcher2.err")
+        done = first.wait(timeout=120), second.wait(timeout=120)
+    finally:
+        for launcher in (first, second):
+            if launcher is not None and launcher.poll() is None:
+                launcher.kill()
+    logs = "".join((tmp_path / f"launcher{i}.err").read_text() for i in (1, 2))
+    assert done == (0, 0), logs[-3000:]
+    assert "was killed by SIGKILL" in logs  # (rank 0, in the hand-over)
+    finals = [r for r in _records(tmp_path) if r.get("final")]
+    assert sorted(f["world"] for f in finals) == [2, 2], logs[-3000:]
+    for final in finals:
+        assert final["step"] == steps
+        for got, want in zip(final["params"], _reference(steps, 12), strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-9, atol=1e-11)
+
+
 def test_a_plain_optimizer_under_elastic_zero_is_refused_with_what_to_pass(
         tmp_path: Path) -> None:
     port = free_port()

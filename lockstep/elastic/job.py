@@ -131,6 +131,7 @@ class Elastic(Regrouping):
         self._rejoined_at = -1  # left out, it was let in again at this step, not yet trained
         self._received = False  # this worker was brought level from a peer
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
+        self._shards_at: int | None = None  # ZeRO: pooled, not yet handed over (regroup.py)
         self._training_thread = threading.get_ident()  # the one that calls run_step
         self.coordinator.heartbeat.on_joiners = self._stop_for_joiners_soon
         started = time.monotonic()

@@ -66,6 +66,7 @@ class Regrouping:
     _received: bool
     _keeps_wrapper: bool
     _held: recovery.Held | None
+    _shards_at: int | None
 
     def _regroup(self, planned: bool) -> None:
         started = time.monotonic()
@@ -103,8 +104,10 @@ class Regrouping:
         reference."""
         if drop_wrapper and isinstance(self.model, ShardedDataParallel):
             assert isinstance(self.optimizer, ZeroOptimizer)
+            # (a failure in the last admission, after the pool: its step, not this rank's)
+            at = self.step if self._shards_at is None else self._shards_at
             self._held = recovery.hold(self.model.zero_groups, self.optimizer,
-                                       self._current().epoch, self.step)
+                                       self._current().epoch, at)
             self.model.abandon()  # (close() would gather stage 3's shards: a collective)
             self.optimizer.group = None  # it would keep the old group's sockets open
         elif drop_wrapper and hasattr(self.model, "close"):  # (no local may keep it)
@@ -144,6 +147,10 @@ class Regrouping:
             self._rewrap()
         if pooled is not None:
             recovery.load(self.model.zero_groups, self.optimizer, pooled)
+            # The shards are at the membership's step from here; this rank's step and the
+            # rest of its state (a joiner's, or one a step ahead) only after the hand-over,
+            # which a second failure may interrupt: it then holds them at their own step.
+            self._shards_at = membership.step
         self._held = None
         behind = self.coordinator.id in membership.behind
         if membership.behind:  # (ZeRO: the pool brought parameters and optimizer level)
@@ -160,6 +167,7 @@ class Regrouping:
                         "with the worker that died; training again from step %d",
                         self.coordinator.id, self.step - 1, membership.step)
         self.step = membership.step
+        self._shards_at = None
         self.reached = max(self.reached, self.step)
         if behind:
             self._phase, self._sync_retry = 0, False
