@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import lockstep
+from lockstep.collector import freeze_at_exit
 from lockstep.launch.run import LaunchSpec, refused, run
 
 
@@ -112,6 +113,8 @@ def _add_advise(commands: argparse._SubParsersAction[argparse.ArgumentParser]
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the `lockstep` program itself, not a call from Python: ours to end
+        freeze_at_exit()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:  # the demo parses its own options (see `lockstep demo -h`)
         from lockstep.demo import demo
