@@ -356,7 +356,8 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
         if found:
             return found
         time.sleep(0.05)
-    logs = sorted(out.glob("*.log"))  # the launcher's, where the job says what it did
+    # the launchers', where the job says what it did
+    logs = sorted([*out.glob("*.log"), *out.glob("launcher*.err")])
     tail = "".join(f"\n--- {log.name}, its end:\n{log.read_text()[-3000:]}" for log in logs)
     raise AssertionError(f"timed out waiting for {why}{tail}")
 
