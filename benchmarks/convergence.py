@@ -35,6 +35,7 @@ from lockstep.demo import data
 from lockstep.demo.models import CharGPT, small_cnn
 from lockstep.launch.run import LaunchSpec, run
 from lockstep.training import configfile
+from lockstep.training.feed import steps_per_epoch
 
 
 def _compressed(kind: Any, **options: Any) -> dict[str, Any]:
@@ -129,6 +130,9 @@ def worker(task: str, variant: str, out: Path, asked: dict[str, Any]) -> None:
     recipe: dict[str, Any] = dict(TASKS[task]["config"], seed=asked["seed"])  # data order
     if asked["chargpt_steps"]:
         recipe["max_steps"] = asked["chargpt_steps"]  # the cosine decay stretches with it
+        # as many epochs as that takes (under the recipe's one epoch, 2000 stopped at 1913)
+        per_epoch = steps_per_epoch(train, recipe["global_batch_size"])
+        recipe["epochs"] = -(-recipe["max_steps"] // per_epoch)
     config = configfile.apply(lockstep.TrainConfig(
         **recipe, run_dir=str(out.parent / out.stem), progress=False, log_every_steps=10,
         checkpoint=lockstep.CheckpointConfig(resume="never")),
@@ -165,7 +169,8 @@ def main() -> int:
                    help="report finished variants from their saved results (those run with the "
                         "same --seed and --chargpt-steps) instead of rerunning")
     p.add_argument("--chargpt-steps", type=int, default=None,
-                   help="train the char-GPT this many steps instead of 1000 (an epoch is 1913)")
+                   help="train the char-GPT this many steps instead of 1000 (an epoch is 1913; "
+                        "more takes more epochs)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the model's initialisation and the data order")
     p.add_argument("--nproc", type=int, default=2, help="workers (async: one more, the server)")
