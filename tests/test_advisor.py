@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from lockstep.advisor.advise import Advice
 from lockstep.advisor.measure import ModelCost
@@ -73,6 +74,39 @@ def test_a_bucket_starts_once_ready_and_its_predecessor_done() -> None:
     # On a fast link the bias's reduction hides in backward and the weight's adds little.
     fast = predict(mode, MODEL, FAST)
     assert fast.step_s == pytest.approx(32 * MS + FAST.all_reduce("native", 256 * 1024))
+
+
+def test_communication_beside_backward_slows_it_by_the_measured_interference() -> None:
+    # The bias's all-reduce (~1 ms, from 5 ms in) runs inside backward, which loses half of
+    # it; the weight's starts as backward ends, beside nothing.
+    mode = Mode("small buckets", EXACT, SyncConfig(bucket_mb=0.1))
+    slowed = replace(MODEL, interference=0.5)
+    bias, weight = (SLOW.all_reduce("native", n) for n in (1024, 256 * 1024))
+    assert predict(mode, slowed, SLOW).step_s == pytest.approx(
+        10 * MS + 20 * MS + 0.5 * bias + weight + 2 * MS)
+    # A mode whose communication runs beside no compute is predicted as before.
+    for name in ("local SGD H=8", "DiLoCo H=50", "ZeRO-3"):
+        before, after = (next(p for p in predict_all(m, SLOW, 1e12) if p.mode.name == name)
+                         for m in (MODEL, slowed))
+        assert after.step_s == before.step_s
+
+
+def slowest_rows(rows_by_rank: list[list[list[float]]]) -> list[list[float]]:
+    from lockstep import comm
+    from lockstep.advisor.measure import _slowest_rank_s
+
+    return _slowest_rank_s(torch.tensor(rows_by_rank[comm.rank_of()],
+                                        dtype=torch.float64)).tolist()
+
+
+def test_each_step_counts_at_its_slowest_rank_s_own_row(world2: World) -> None:
+    # Step 0: rank 0 is slower in forward, rank 1 in backward, and rank 0's step is the
+    # longer (7 against 5): its row counts, not the 3 + 5 + 1 of no rank's step. Step 1:
+    # a tie, the two rows' mean.
+    rows = [[[2.0, 4.0, 1.0, 0.5], [1.0, 1.0, 1.0, 0.5]],
+            [[3.0, 1.0, 1.0, 0.25], [2.0, 0.0, 1.0, 0.25]]]
+    for got in world2.run(slowest_rows, rows):
+        assert got == [[2.0, 4.0, 1.0, 0.5], [1.5, 0.5, 1.0, 0.375]]
 
 
 def test_periodic_modes_pay_one_model_all_reduce_every_h_steps() -> None:
@@ -242,6 +276,7 @@ def test_lockstep_advise_measures_a_trainer_script_instead_of_training_it(
     assert {m["mode"] for m in record["modes"]} >= {"sync native", "sync shm", "ZeRO-3",
                                                     "DiLoCo H=50"}
     assert all(m["step_ms"] > 0 for m in record["modes"])
+    assert record["compute_ms"]["interference"] >= 0.0
     state = {m["mode"]: m["state_bytes"] for m in record["modes"]}
     assert state["ZeRO-3"] < state["ZeRO-2"] < state["ZeRO-1"] < state["sync native"]
     assert f"recommended: {record['recommended']}: " in result.stdout

@@ -120,6 +120,7 @@ class Advice:
                                "optimizer": self.model.optimizer_s * 1e3,
                                "diloco_outer": self.model.outer_s * 1e3,
                                "lockstep_wrapper": self.model.wrapper_s * 1e3,
+                               "interference": self.model.interference,
                                **{f"compress_{k}": v * 1e3
                                   for k, v in self.model.compress_s.items()}},
                 "collectives_ms": {kind: {str(n): t * 1e3 for n, t in sorted(points.items())}

@@ -136,7 +136,7 @@ def predict(mode: Mode, model: ModelCost, wire: WireCost) -> Prediction:
     if _in_line(config, wire):  # summed on backward's own thread: it waits for each
         backward_end = model.backward_s + sum(durations)
     else:
-        backward_end = _pipeline(ready, durations, model.backward_s)
+        backward_end = _pipeline(ready, durations, model.backward_s, model.interference)
     earlier = (model.micro_steps - 1) * (model.forward_s + model.backward_s)
     step = earlier + model.forward_s + backward_end + optimizer + after + model.wrapper_s
     return Prediction(mode, step, compute, sent, state)
@@ -153,13 +153,22 @@ def _resolved(config: Any, wire: WireCost, device: str) -> Any:
     return replace(config, algorithm="shm" if shared else "native")
 
 
-def _pipeline(ready: Sequence[float], durations: Sequence[float], backward_s: float) -> float:
+def _pipeline(ready: Sequence[float], durations: Sequence[float], backward_s: float,
+              interference: float = 0.0) -> float:
     """When backward's wait ends: buckets sent in order, each once ready and its
-    predecessor done."""
-    done = 0.0
-    for at, takes in zip(ready, durations, strict=True):
-        done = max(done, at) + takes
-    return max(done, backward_s)
+    predecessor done. Backward loses `interference` seconds per second of communication
+    under way beside it (measure._interference), its readiness times stretched alike: a
+    few rounds find where the two agree."""
+    stretched = backward_s
+    for _ in range(4):
+        scale = stretched / backward_s if backward_s else 1.0
+        done = beside = 0.0
+        for at, takes in zip(ready, durations, strict=True):
+            start = max(done, at * scale)
+            done = start + takes
+            beside += max(min(done, stretched) - start, 0.0)
+        stretched = backward_s + interference * beside
+    return max(done, stretched)
 
 
 def _buckets(model: ModelCost, config: Any) -> list[tuple[int, ...]]:
