@@ -109,6 +109,30 @@ def test_each_step_counts_at_its_slowest_rank_s_own_row(world2: World) -> None:
         assert got == [[2.0, 4.0, 1.0, 0.5], [1.5, 0.5, 1.0, 0.375]]
 
 
+def back_to_back(sleep_s: list[float]) -> float:
+    import time
+
+    from lockstep import comm
+    from lockstep.advisor.measure import _back_to_back_s
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pause = sleep_s[comm.rank_of()]
+
+    def loss(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        time.sleep(pause)
+        return torch.nn.functional.mse_loss(net(x), y)
+
+    batches = iter(lambda: (torch.ones(3, 4), torch.zeros(3, 2)), None)
+    return _back_to_back_s(model, optimizer, loss, batches, steps=5)
+
+
+def test_steps_back_to_back_count_at_the_slowest_rank(world2: World) -> None:
+    # Rank 1's steps take 40 ms more: both ranks read its pace, not their own.
+    for got in world2.run(back_to_back, [0.0, 0.04]):
+        assert 0.04 <= got < 0.5
+
+
 def test_periodic_modes_pay_one_model_all_reduce_every_h_steps() -> None:
     by_name = {p.mode.name: p for p in predict_all(MODEL, SLOW, memory_bytes=1e12)}
     sync_once = SLOW.all_reduce("native", PARAM_BYTES)
