@@ -96,7 +96,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-10-int4-lr1": _streaming(10, int4=True, outer_lr=1.0),
     # the inner learning rate 1.5x the recipe's: with 4 workers a rank's batch is 8
     # sequences. Not the lever: +3.8% at 4 workers over one epoch, where 3e-3 ended +3.7%
-    # (and half of it trailed 3e-3 by a point or more through the 600 steps it ran)
+    # (and half of it trailed 3e-3 by 0.5-2.5 points through the 600 steps it ran)
     "Streaming-10-int4-inner1.5": {**_streaming(10, int4=True), "lr": 4.5e-3},
     # ZeRO with its collectives in fewer bits (its fp32 counterpart: ZeRO-2, ZeRO-3)
     "ZeRO-2": {"parallel": {"mode": "shard", "stage": 2}},
