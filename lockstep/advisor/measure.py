@@ -131,6 +131,7 @@ def _slowest_rank_s(mine: torch.Tensor) -> torch.Tensor:
     slowest in forward is seldom the one slowest in backward, and a step of the slowest
     forward, backward and optimizer of different ranks was longer than any rank's step
     (measured 44 ms against 34 for local SGD on 4 emulated hosts over 2 cores)."""
+    mine = mine.to(comm.device_of())  # (NCCL takes no CPU tensors)
     totals = mine[:, :3].sum(dim=1)
     slowest = comm.all_reduce(totals.clone(), "advisor: each step's slowest rank",
                               op=torch.distributed.ReduceOp.MAX)
@@ -138,7 +139,7 @@ def _slowest_rank_s(mine: torch.Tensor) -> torch.Tensor:
     # The slowest rank's row, and how many ranks tied for it, summed over the ranks
     rows = comm.all_reduce(torch.cat([mine * is_slowest[:, None], is_slowest[:, None]], dim=1),
                            "advisor: the slowest rank's own times")
-    return rows[:, :-1] / rows[:, -1:]
+    return (rows[:, :-1] / rows[:, -1:]).cpu()
 
 
 def _back_to_back_s(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -148,10 +149,10 @@ def _back_to_back_s(model: nn.Module, optimizer: torch.optim.Optimizer,
     at once. Where ranks share cores, a step measured alone from a common start (as
     _timed_steps does) is quicker than the steps a job keeps up: on 4 emulated hosts
     over 2 cores the MNIST CNN measured 24-29 ms a step so, and trained at 36-41."""
+    drawn = [next(batches) for _ in range(steps)]  # (loading data is not what is timed)
     comm.barrier("advisor: measure steps back to back")
     started = time.perf_counter()
-    for _ in range(steps):
-        x, y = next(batches)
+    for x, y in drawn:
         loss(model, x, y).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -166,13 +167,16 @@ def _interference(model: nn.Module, params: list[nn.Parameter],
     """How much a gradient all-reduce beside backward slows it: backward timed with an
     all-reduce of the whole gradient's size started as it begins (on every rank at once,
     through the job's own links), against this rank's backward alone; the seconds lost,
-    per second the all-reduce was under way during backward. The ranks' mean. Collective.
+    per second the all-reduce was under way during backward (at most one: the two on one
+    core), the ranks' mean. Collective. On a GPU, none: the collective runs on the GPU's
+    own engines beside the kernels, and neither call here would wait for them.
 
     The cost model's collectives are timed alone and its backward alone; a synchronous
     step runs them together. On 4 emulated hosts sharing 2 cores, leaving this out put
     every synchronous mode 14-28% under its measured step."""
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                       device=params[0].device)
+    if params[0].device.type == "cuda":
+        return 0.0
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
     beside, overlap = [], []
     for step in range(steps + 1):
         x, y = next(batches)
@@ -187,9 +191,11 @@ def _interference(model: nn.Module, params: list[nn.Parameter],
         if step:  # (the first warms the transport's buffers up)
             beside.append(backward_s)
             overlap.append(min(backward_s, time.perf_counter() - started))
-    lost = max(statistics.median(beside) - backward_alone_s, 0.0)
-    mine = comm.control_tensor([lost / max(statistics.median(overlap), 1e-9)],
-                               dtype=torch.float64)
+    lost, during = statistics.median(beside) - backward_alone_s, statistics.median(overlap)
+    # An all-reduce over in a sliver of backward (a fast link) tells nothing: noise over
+    # next to nothing
+    rate = min(max(lost, 0.0) / during, 1.0) if during > 0.05 * backward_alone_s else 0.0
+    mine = comm.control_tensor([rate], dtype=torch.float64)
     comm.all_reduce(mine, "advisor: backward's slowing beside an all-reduce")
     return mine.item() / comm.size_of()
 

@@ -157,18 +157,30 @@ def _pipeline(ready: Sequence[float], durations: Sequence[float], backward_s: fl
               interference: float = 0.0) -> float:
     """When backward's wait ends: buckets sent in order, each once ready and its
     predecessor done. Backward loses `interference` seconds per second of communication
-    under way beside it (measure._interference), its readiness times stretched alike: a
-    few rounds find where the two agree."""
+    under way beside it (measure._interference), its readiness times stretched alike:
+    rounds of the two until they agree (each round's backward is no shorter than the
+    last's, and it is bounded by all the communication, so they settle)."""
     stretched = backward_s
-    for _ in range(4):
-        scale = stretched / backward_s if backward_s else 1.0
-        done = beside = 0.0
-        for at, takes in zip(ready, durations, strict=True):
-            start = max(done, at * scale)
-            done = start + takes
-            beside += max(min(done, stretched) - start, 0.0)
-        stretched = backward_s + interference * beside
+    for _ in range(100):
+        done, beside = _in_order(ready, durations, stretched / backward_s if backward_s
+                                 else 1.0, stretched)
+        settled = backward_s + interference * beside
+        if settled - stretched < 1e-9:
+            break
+        stretched = settled
     return max(done, stretched)
+
+
+def _in_order(ready: Sequence[float], durations: Sequence[float], scale: float,
+              backward_s: float) -> tuple[float, float]:
+    """When the last bucket is done, its readiness times scaled by `scale`, and how long
+    communication was under way within the first `backward_s` seconds."""
+    done = beside = 0.0
+    for at, takes in zip(ready, durations, strict=True):
+        start = max(done, at * scale)
+        done = start + takes
+        beside += max(min(done, backward_s) - start, 0.0)
+    return done, beside
 
 
 def _buckets(model: ModelCost, config: Any) -> list[tuple[int, ...]]:
