@@ -199,9 +199,12 @@ def _a_rank_naps_before_a_shared_memory_reduction() -> tuple[float, list[tuple[f
 
 def test_a_stall_in_a_shared_memory_reduction_is_named_too(world: World) -> None:
     results = world.run(_a_rank_naps_before_a_shared_memory_reduction)
+    # Only the nap's stall counts: on a loaded machine the host barrier after it has also
+    # been slow enough to be reported (as what it was: every rank there, not finishing).
     warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
-                if "has waited" in text]
-    assert len(warnings) == 2 and results[2][1] == [], results
+                if "has waited" in text and "did not reach it" in text]
+    assert len(warnings) == 2, results  # one per waiting rank
+    assert not any("did not reach it" in text for _, text in results[2][1]), results
     for after, text in warnings:
         assert STALL_S <= after < STALL_S + 5 and "rank 2 did not reach it" in text, warnings
     assert any('_until_warned("shm", [0, 1], NAP_S)  # rank 2 naps before its backward' in t
