@@ -222,35 +222,56 @@ def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
         rank0.leave()
 
 
-# One worker; a joiner asks, and rank 0's heartbeat vets it, while step 5 is under way. The
-# step's collective over the whole group is issued after that (a world of one sends no
-# gradients, so the step issues one of its own).
+# One worker; a joiner asks, and rank 0's heartbeat vets it, while step 5 is under way.
+# "notice": the default wrapper, whose every backward exchanges the non-finite flags --
+# the joiner is vetted before step 5's leave. "store": the check off, no flags exchanged --
+# vetted after backward, before the step's collective over the whole group. Either way the
+# members stop after step 5; with the flags, no boundary since the first asked the store.
 JOINER_DURING_A_STEP = textwrap.dedent("""
-    import json, sys, time
+    import json, sys, threading, time
     import torch
     import lockstep
     from lockstep import comm
     from lockstep.elastic.store import PREFIX
 
-    port = int(sys.argv[1])
+    port, mode = int(sys.argv[1]), sys.argv[2]
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True,
                                        wait_for_workers=False)
     jobs = torch.distributed.PrefixStore(PREFIX, store)
     net = torch.nn.Linear(4, 1)
-    job = lockstep.Elastic(net, torch.optim.SGD(net.parameters(), lr=0.1),
+    wrap = None if mode == "notice" else (lambda m: lockstep.DataParallel(m, nonfinite="off"))
+    job = lockstep.Elastic(net, torch.optim.SGD(net.parameters(), lr=0.1), wrap,
                            address=f"127.0.0.1:{port}")
 
+    class Counted:  # the training thread's calls on the coordinator's store
+        def __init__(self, store):
+            self.store, self.calls = store, 0
+        def __getattr__(self, name):
+            if threading.current_thread() is threading.main_thread():
+                self.calls += 1
+            return getattr(self.store, name)
+    job.coordinator.store = counted = Counted(job.coordinator.store)
+
+    def ask():
+        jobs.set("host/99", json.dumps(["elsewhere", 1]))
+        jobs.set("terms/99", jobs.get(f"terms/{job.coordinator.id}"))
+        jobs.set(f"joiner/{int(jobs.add('joiners', 1)) - 1}", "99")
+        while job.coordinator.heartbeat.joiners_for != job.membership.epoch:
+            time.sleep(0.005)
+
     def train_step(model, step):
+        if step == 5 and mode == "notice":
+            ask()
         model(torch.ones(2, 4)).sum().backward()
-        if step == 5:
-            jobs.set("host/99", json.dumps(["elsewhere", 1]))
-            jobs.set("terms/99", jobs.get(f"terms/{job.coordinator.id}"))
-            jobs.set(f"joiner/{int(jobs.add('joiners', 1)) - 1}", "99")
-            while job.coordinator.heartbeat.joiners_for != job.membership.epoch:
-                time.sleep(0.005)
+        if step == 5 and mode == "store":
+            ask()
         comm.all_reduce(torch.zeros(1), "the step's collective")
 
-    for _ in range(6):
+    for step in range(6):
+        if step == 1:  # (the first boundary of a membership has no step before it to hear)
+            counted.calls = 0
+        if step == 5:
+            print("store calls in steps 1-4:", counted.calls, flush=True)
         job.run_step(train_step)
     key = f"grow/{job.membership.epoch}"
     print("stop at", jobs.get(key).decode() if jobs.check([key]) else None, flush=True)
@@ -258,15 +279,21 @@ JOINER_DURING_A_STEP = textwrap.dedent("""
 """)
 
 
-def test_rank_0_sets_the_stop_for_a_joiner_in_the_step_under_way() -> None:
-    """The stopping step is set just before rank 0 next issues a collective over the whole
-    group (no member can finish the step without it): a joiner vetted during step 5 is let
-    in after step 5, not after step 6 as when it was set only at step boundaries."""
+@pytest.mark.parametrize("mode", ["notice", "store"])
+def test_rank_0_sets_the_stop_for_a_joiner_in_the_step_under_way(mode: str) -> None:
+    """A joiner vetted during step 5 is let in after step 5, not after step 6 as when the
+    stop was set only at step boundaries: rank 0 sets it as the step's non-finite flags
+    leave, and the members hear it in them (no store asked at any boundary: notice) -- or,
+    where a step exchanges none, just before rank 0 next issues a collective over the whole
+    group, which no member can finish the step without (the members ask the store at each
+    boundary: store)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", JOINER_DURING_A_STEP, str(free_port())],
+    done = subprocess.run([sys.executable, "-c", JOINER_DURING_A_STEP, str(free_port()), mode],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "stop at 6" in done.stdout, done.stdout + done.stderr
+    calls = int(done.stdout.split("store calls in steps 1-4:")[1].split()[0])
+    assert (calls == 0) if mode == "notice" else (calls >= 4), done.stdout
 
 
 HOOK_ON_COLLECTIVES = textwrap.dedent("""

@@ -53,6 +53,7 @@ from lockstep.elastic.store import job_address
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
+from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.sharding import recovery
 
 log = get_logger(__name__)
@@ -133,6 +134,8 @@ class Elastic(Regrouping):
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
         self._shards_at: int | None = None  # ZeRO: pooled, not yet handed over (regroup.py)
         self._training_thread = threading.get_ident()  # the one that calls run_step
+        self._notices: FiniteCheck | None = None  # rank 0's notice to stop rides here
+        self._heard: tuple[int, bool | None] | None = None  # (epoch, in the last step)
         self.coordinator.heartbeat.on_joiners = self._stop_for_joiners_soon
         started = time.monotonic()
         first = self.coordinator.enter()
@@ -178,10 +181,14 @@ class Elastic(Regrouping):
         self.completed_here = False
         if self._phase == 0:
             self._begin_attempt()
-            if self.coordinator.grow_due(self._current(), self.step):
+            if self.coordinator.grow_due(self._current(), self.step, self._heard_here()):
                 with timeline.span("regroup (admitting joiners)"):
                     self._regroup(planned=True)
+            if self._notices is not None:
+                self._notices.take_notices()  # (any from exchanges between steps)
             value = train_step(self.model, self.step)
+            self._heard = None if self._notices is None else \
+                (self._current().epoch, self._notices.take_notices())
             self.update()
             self._phase = 1
         self._sync_round()
@@ -189,14 +196,23 @@ class Elastic(Regrouping):
         self.completed_here = True
         return value
 
+    def _heard_here(self) -> bool | None:
+        """Whether rank 0 gave notice to stop here in the last step's exchange of flags
+        (None: that step exchanged none, or it was another membership's)."""
+        heard = self._heard
+        return heard[1] if heard is not None and heard[0] == self._current().epoch else None
+
     def _stop_for_joiners_soon(self) -> None:
         """(Rank 0's heartbeat thread: admissible joiners wait.) The stopping step is set
         by the training thread -- at its next step boundary (Coordinator.grow_due), or
         sooner: just before it next issues a collective over the whole group that the step
         waits for, as no member can finish the step under way without it. Set there, the
         members stop at the end of that step (under local SGD / DiLoCo, of its round), not a
-        step later (most of what a joiner waited)."""
-        before_next_world_collective(self._training_thread, self._set_stopping_step)
+        step later (most of what a joiner waited). Where the notice rides in the flags,
+        rank 0 sets the step as they leave instead (Coordinator.announce_stop): a stop
+        set before a later collective of the step would reach no member."""
+        if self._notices is None:
+            before_next_world_collective(self._training_thread, self._set_stopping_step)
 
     def _set_stopping_step(self) -> None:
         try:

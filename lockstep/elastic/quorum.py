@@ -93,6 +93,7 @@ class Coordinator:
         self._asking = threading.Lock()  # left_behind is asked from any thread that waits
         self._asked: threading.Thread | None = None
         self._left = -1  # the newest epoch some member is known to have left
+        self._stop_set: tuple[int, int] | None = None  # rank 0: (epoch, step) it set
 
     def left_behind(self, epoch: int) -> str | None:
         """Why a collective of `epoch`'s group can no longer complete -- a member left it
@@ -190,11 +191,16 @@ class Coordinator:
         self.heartbeat.stop()
         self.store.set(f"left/{self.id}", "1")
 
-    def grow_due(self, membership: Membership, step: int) -> bool:
-        """Whether the epoch stops at this step boundary to admit joiners. Until the
-        heartbeat has learnt the step, the store is asked: a heartbeat thread starved on a
-        loaded machine once learnt it too late, and that member went into the step the
-        others stopped before (its attempt interrupted, the step redone).
+    def grow_due(self, membership: Membership, step: int, heard: bool | None = None) -> bool:
+        """Whether the epoch stops at this step boundary to admit joiners.
+
+        `heard`: whether rank 0 gave notice to stop here in the step before's exchange of
+        non-finite flags (announce_stop), which every rank of a DataParallel makes -- the
+        answer, with no store to ask -- or None where that step exchanged none.
+
+        Else, until the heartbeat has learnt the step, the store is asked: a heartbeat
+        thread starved on a loaded machine once learnt it too late, and that member went
+        into the step the others stopped before (its attempt interrupted, the step redone).
 
         Rank 0 sets the step here, at the next boundary (and round end) after `step`: at
         its step boundary, or sooner, just before it issues a collective over the group
@@ -202,6 +208,8 @@ class Coordinator:
         that boundary, because every step -- under local SGD, DiLoCo and streaming DiLoCo
         every round's end -- waits on a collective rank 0 has not joined yet. A mode whose
         round ends without one would need more steps ahead."""
+        if heard is not None:
+            return heard
         at = self.heartbeat.grow_at(membership.epoch)
         key = f"grow/{membership.epoch}"
         if at is None and not self.heartbeat.lost:
@@ -210,6 +218,7 @@ class Coordinator:
                     align = self.heartbeat.align                    # the next step (or
                     at = int(self.store.compare_set(             # what is set already)
                         key, "", str(math.ceil((step + 1) / align) * align)))
+                    self._stop_set = (membership.epoch, at)
                 elif self.store.check([key]):
                     at = int(self.store.get(key))
             except EtcdUnavailable:  # unreachable for now: no joiner is let in meanwhile
@@ -219,6 +228,24 @@ class Coordinator:
                     raise
                 self.heartbeat.lost = True
         return at is not None and step >= at
+
+    def announce_stop(self, membership: Membership, step: int) -> bool:
+        """Rank 0, as step `step`'s non-finite flags leave: whether to give the members
+        notice to stop after this step -- joiners wait, or the stop was set for it at the
+        boundary before. Sets it in the store too (the joiners, and members of a step that
+        exchanges no flags, read it there). Runs inside backward: never raises."""
+        epoch = membership.epoch
+        if self._stop_set is None or self._stop_set[0] != epoch:
+            if self.heartbeat.joiners_for != epoch or self.heartbeat.lost:
+                return False
+            try:
+                at = int(self.store.compare_set(f"grow/{epoch}", "", str(step + 1)))
+            except (RuntimeError, OSError) as error:  # (EtcdUnavailable too): nobody can
+                log.debug("worker %d: setting the step to stop for joiners failed: %s",
+                          self.id, error)             # join now; the next step asks again
+                return False
+            self._stop_set = (epoch, at)
+        return self._stop_set == (epoch, step + 1)
 
     # ---- regrouping ---------------------------------------------------------------------
 

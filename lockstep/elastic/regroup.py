@@ -194,6 +194,7 @@ class Regrouping:
         with fault_tolerant(), levelled_elsewhere() if levelled else contextlib.nullcontext():
             self.model = self.wrap(self.module)
         self._keeps_wrapper = rounds.trains_in_rounds(self.model)
+        self._listen_for_notices()
         self.drift = None
         if isinstance(self.model, ShardedDataParallel):
             self.optimizer = recovery.over_shards(self.optimizer, self.model)
@@ -202,6 +203,20 @@ class Regrouping:
         if self.config.check_every:
             # The wrapper says what its replicas share, and when (local rounds: at ends)
             self.drift = DriftCheck(self.model, self.config.check_every)
+
+    def _listen_for_notices(self) -> None:
+        """Where every step exchanges non-finite flags over the whole group (a DataParallel
+        with the check on, training step by step: ZeRO too), rank 0's notice to stop for
+        joiners rides in them (nonfinite.py): no member asks the store at each boundary."""
+        finite = getattr(getattr(self.model, "reducer", None), "finite", None)
+        listens = finite is not None and finite.mode != "off" and not self._keeps_wrapper
+        self._notices = finite if listens else None
+        if self._notices is not None:
+            self._notices.notice = self._announce
+
+    def _announce(self) -> bool:
+        m = self._current()
+        return m.me == m.ids[0] and self.coordinator.announce_stop(m, self.step)
 
     def _objects(self) -> dict[str, Any]:
         return {"step": self.step, "lineage": self.lineage,

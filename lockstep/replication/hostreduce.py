@@ -22,6 +22,7 @@ from lockstep import comm
 from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
 from lockstep.comm.topology import Topology
 from lockstep.replication.algorithms import AllReduce, Threaded
+from lockstep.replication.nonfinite import flags_numel
 from lockstep.replication.reduction import Bucket, Done, Handle, scaled_copy
 
 _DEFER_MIN_ELEMENTS = 64 * 1024
@@ -178,10 +179,10 @@ class SharedMemory(_OnHost, AllReduce):
 
     def __init__(self, topology: Topology, timeout_s: float) -> None:
         self.host = HostSlices(topology, timeout_s, in_backward=True)
-        # The non-finite check's flags (one per rank, and the loss scaler's count) are
-        # summed here too: a Gloo all-reduce of a few bytes took 1.4 ms on a 2-core
-        # machine -- most of a tiny model's step -- where a barrier in memory takes µs.
-        self.host.make_flag_slots(topology.local_world_size + 1, torch.int32)
+        # The non-finite check's flags (nonfinite.flags_numel) are summed here too: a
+        # Gloo all-reduce of a few bytes took 1.4 ms on a 2-core machine -- most of a tiny
+        # model's step -- where a barrier in memory takes µs.
+        self.host.make_flag_slots(flags_numel(topology.local_world_size), torch.int32)
 
     def share_flags(self, flags: torch.Tensor) -> Handle | None:
         return self.host.share_flags(flags)

@@ -24,6 +24,10 @@ launched alongside the last buckets -- or in the reduction's own way
 
 While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
 agreed skip), so the check stands aside.
+
+The flags carry one more element, a notice: what one rank has to tell every other at this
+step (lockstep.Elastic's rank 0: stop after it, a joiner waits) travels with them, so the
+others learn it from the exchange they make anyway instead of asking the job's store.
 """
 
 from __future__ import annotations
@@ -45,6 +49,11 @@ MODES = ("error", "skip", "off")
 
 class NonFiniteGradientError(FloatingPointError):
     """Some rank's local gradient held a NaN or inf."""
+
+
+def flags_numel(world_size: int) -> int:
+    """The flags' length: one per rank, the LossScaler's count, the notices' count."""
+    return world_size + 2
 
 
 def check_mode(mode: str) -> None:
@@ -69,12 +78,32 @@ class FiniteCheck:
         self._sums: list[tuple[int, torch.Tensor]] = []  # (parameter, its gradient's sum)
         self._bucket_sums: list[torch.Tensor] = []  # carried: the launched buckets' sums
         self._flags: torch.Tensor | None = None
+        self.notice: Callable[[], bool] | None = None
+        """Asked as the flags leave: whether this rank gives the others notice (see
+        take_notices). Runs inside backward: it must not raise."""
+        self._exchanges, self._notices = 0, 0  # since take_notices last asked
 
     @property
     def extra(self) -> int:
-        """Elements the last bucket carries for the flags: one per rank, and the count of
-        ranks whose LossScaler is mid-step."""
-        return comm.size_of(self.group) + 1 if self.carried else 0
+        """Elements the last bucket carries for the flags: one per rank, the count of
+        ranks whose LossScaler is mid-step, and the count of ranks giving notice."""
+        return flags_numel(comm.size_of(self.group)) if self.carried else 0
+
+    def take_notices(self) -> bool | None:
+        """Whether any rank gave notice in the exchanges of flags since the last call --
+        the same answer on every rank -- or None where there was none (the check is off,
+        or no synchronised backward ran)."""
+        exchanges, notices = self._exchanges, self._notices
+        self._exchanges, self._notices = 0, 0
+        return None if exchanges == 0 else notices > 0
+
+    def _fill_trailer(self, flags: torch.Tensor) -> None:
+        """The two elements after the ranks' own: this rank's LossScaler mid-step, and its
+        notice."""
+        if precision.loss_scaling_pending():
+            flags[-2] = 1
+        if self.notice is not None and self.notice():
+            flags[-1] = 1
 
     def observe(self, index: int, grad: torch.Tensor) -> None:
         """Record parameter `index`'s local gradient by its sum: NaN and inf survive a sum,
@@ -98,8 +127,7 @@ class FiniteCheck:
         torch.sum(gradients, dim=0, out=mine)
         for earlier in self._bucket_sums:
             mine.add_(earlier)
-        if precision.loss_scaling_pending():
-            flags[-1] = 1
+        self._fill_trailer(flags)
         self._bucket_sums, self._flags = [], flags
 
     def reset(self) -> None:
@@ -108,17 +136,18 @@ class FiniteCheck:
 
     def start(self) -> Handle | None:
         """Launch the exchange of flags, once all of this backward's gradients were
-        observed: flags[r] = 1 if rank r saw a non-finite gradient; the last entry counts
+        observed: flags[r] = 1 if rank r saw a non-finite gradient; the next entry counts
         the ranks whose LossScaler is mid-step (its overflow is then expected, and every
-        rank leaves it to the scaler, whatever its own state)."""
+        rank leaves it to the scaler, whatever its own state), the last those giving
+        notice."""
         self.backwards += 1
         if self.mode == "off" or self.carried:
             return None
-        flags = comm.control_tensor([0] * (comm.size_of(self.group) + 1), self.group)
+        flags = comm.control_tensor([0] * flags_numel(comm.size_of(self.group)), self.group)
         if self._sums:
             local = torch.stack([total for _, total in self._sums])
             flags[self._rank] = (~torch.isfinite(local)).any().to(flags.dtype)
-        flags[-1] = int(precision.loss_scaling_pending())
+        self._fill_trailer(flags)
         self._flags = flags
         shared = self.share(flags) if self.share is not None else None
         if shared is not None:
@@ -140,7 +169,9 @@ class FiniteCheck:
             return True
         if exchange is not None:
             exchange.wait()
-        *per_rank, scaling = flags.tolist()
+        *per_rank, scaling, notices = flags.tolist()
+        self._exchanges += 1
+        self._notices += abs(notices) > 0.5  # (a complex model's flags are complex)
         bad_ranks = [r for r, v in enumerate(per_rank) if not cmath.isfinite(v)] if self.carried \
             else [r for r, flag in enumerate(per_rank) if flag]
         if not bad_ranks or scaling > 0.5:
