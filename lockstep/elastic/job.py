@@ -123,7 +123,7 @@ class Elastic(Regrouping):
         self.regroups: list[dict[str, Any]] = []  # what happened, for reports and tests
         self._phase, self._sync_retry, self._failures = 0, False, 0
         self.completed_here = False  # see the class docstring
-        self._keeps_wrapper = False  # a local SGD / DiLoCo wrapper outlives a failure
+        self._in_rounds = False  # local SGD / DiLoCo: its wrapper outlives a failure
         self.coordinator = Coordinator(job_address(address), this_host(), self.config,
                                        int(os.environ.get(ENV_INITIAL, "1")),
                                        terms_of(module, optimizer, agree))
@@ -253,7 +253,7 @@ class Elastic(Regrouping):
     def _sync_round(self) -> None:
         """Local SGD / DiLoCo: count the inner step, and synchronise at the round's end. A
         failed synchronisation is retried among the survivors, not the step."""
-        if not rounds.trains_in_rounds(self.model):
+        if not self._in_rounds:  # (known since the wrapper was made: a step asks it)
             return
         retry, self._sync_retry = self._sync_retry, True
         rounds.sync_round(self.model, retry)

@@ -35,6 +35,7 @@ from lockstep.logs import get_logger
 from lockstep.replication.choices import fault_tolerant
 from lockstep.replication.consistency import levelled_elsewhere
 from lockstep.replication.drift import DriftCheck
+from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.sharding import recovery
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.sharded import ShardedDataParallel
@@ -64,7 +65,8 @@ class Regrouping:
     _target: int
     _rejoined_at: int
     _received: bool
-    _keeps_wrapper: bool
+    _in_rounds: bool
+    _notices: FiniteCheck | None
     _held: recovery.Held | None
     _shards_at: int | None
 
@@ -73,7 +75,7 @@ class Regrouping:
         previous = self._current()
         # A DataParallel is built for its world size: rebuilt. Local SGD / DiLoCo keep
         # their round's progress through a failure; joiners need a fresh one everywhere.
-        rewrap = planned or not self._keeps_wrapper
+        rewrap = planned or not self._in_rounds
         if planned:
             rounds.before_planned_regroup(self.model)
         self._leave_group(drop_wrapper=rewrap, failed=not planned)
@@ -193,7 +195,7 @@ class Regrouping:
         levelled = self._current().step > 0 and not isinstance(self.optimizer, ZeroOptimizer)
         with fault_tolerant(), levelled_elsewhere() if levelled else contextlib.nullcontext():
             self.model = self.wrap(self.module)
-        self._keeps_wrapper = rounds.trains_in_rounds(self.model)
+        self._in_rounds = rounds.trains_in_rounds(self.model)
         self._listen_for_notices()
         self.drift = None
         if isinstance(self.model, ShardedDataParallel):
@@ -209,7 +211,7 @@ class Regrouping:
         with the check on, training step by step: ZeRO too), rank 0's notice to stop for
         joiners rides in them (nonfinite.py): no member asks the store at each boundary."""
         finite = getattr(getattr(self.model, "reducer", None), "finite", None)
-        listens = finite is not None and finite.mode != "off" and not self._keeps_wrapper
+        listens = finite is not None and finite.mode != "off" and not self._in_rounds
         self._notices = finite if listens else None
         if self._notices is not None:
             self._notices.notice = self._announce
