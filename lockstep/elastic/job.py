@@ -8,7 +8,8 @@ they return -- without restarting anyone.
 
 What one step does (`run_step`):
   1. at the step boundary, if joiners wait and this is the step the members agreed to stop
-     at, regroup: the new membership's group, a fresh wrapper, state to the newcomers;
+     at (rank 0's notice came with the step before's non-finite flags, or the store says
+     so), regroup: the new membership's group, a fresh wrapper, state to the newcomers;
   2. `train_step(model, step)` computes gradients (the caller slices global batch `step`
      by `job.world.rank` / `world_size`: see `batch_slice`);
   3. the optimizer steps (and a local-SGD / DiLoCo wrapper synchronises at round ends);
