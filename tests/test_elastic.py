@@ -226,12 +226,15 @@ def test_rank_0_stops_one_step_after_it_hears_of_a_joiner() -> None:
 # "notice": the default wrapper, whose every backward exchanges the non-finite flags --
 # the joiner is vetted before step 5's leave. "store": the check off, no flags exchanged --
 # vetted after backward, before the step's collective over the whole group. Either way the
-# members stop after step 5; with the flags, no boundary since the first asked the store.
+# members stop after step 5 (the job's next membership begins at step 6, without the
+# made-up joiner, which leaves once vetted); with the flags, no boundary since the first
+# asked the store.
 JOINER_DURING_A_STEP = textwrap.dedent("""
     import json, sys, threading, time
     import torch
     import lockstep
     from lockstep import comm
+    from lockstep.comm import stophook
     from lockstep.elastic.store import PREFIX
 
     port, mode = int(sys.argv[1]), sys.argv[2]
@@ -256,8 +259,10 @@ JOINER_DURING_A_STEP = textwrap.dedent("""
         jobs.set("host/99", json.dumps(["elsewhere", 1]))
         jobs.set("terms/99", jobs.get(f"terms/{job.coordinator.id}"))
         jobs.set(f"joiner/{int(jobs.add('joiners', 1)) - 1}", "99")
-        while job.coordinator.heartbeat.joiners_for != job.membership.epoch:
+        while job.coordinator.heartbeat.joiners_for != job.membership.epoch or \
+                (mode == "store" and stophook.armed is None):  # (armed just after)
             time.sleep(0.005)
+        jobs.set("left/99", "1")
 
     def train_step(model, step):
         if step == 5 and mode == "notice":
@@ -267,14 +272,14 @@ JOINER_DURING_A_STEP = textwrap.dedent("""
             ask()
         comm.all_reduce(torch.zeros(1), "the step's collective")
 
-    for step in range(6):
+    for step in range(7):
         if step == 1:  # (the first boundary of a membership has no step before it to hear)
             counted.calls = 0
         if step == 5:
             print("store calls in steps 1-4:", counted.calls, flush=True)
         job.run_step(train_step)
-    key = f"grow/{job.membership.epoch}"
-    print("stop at", jobs.get(key).decode() if jobs.check([key]) else None, flush=True)
+    print("stop at", jobs.get("grow/0").decode() if jobs.check(["grow/0"]) else None)
+    print("memberships began at steps", [first for first, _ in job.lineage], flush=True)
     job.finish()
 """)
 
@@ -292,6 +297,7 @@ def test_rank_0_sets_the_stop_for_a_joiner_in_the_step_under_way(mode: str) -> N
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "stop at 6" in done.stdout, done.stdout + done.stderr
+    assert "memberships began at steps [0, 6]" in done.stdout, done.stdout + done.stderr
     calls = int(done.stdout.split("store calls in steps 1-4:")[1].split()[0])
     assert (calls == 0) if mode == "notice" else (calls >= 4), done.stdout
 

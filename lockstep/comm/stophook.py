@@ -1,7 +1,8 @@
 """A hook run just before the next collective a step waits for (comm.collectives calls
 `run_armed` as it issues each one): where lockstep.Elastic's rank 0 sets the step at which
 its members stop for a joiner -- the step under way, which no member can finish without
-that collective."""
+that collective -- when its steps exchange no non-finite flags to give notice in (local
+SGD, DiLoCo, the check off: Coordinator.grow_due; else Coordinator.announce_stop)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ _awaited_later = threading.local()
 def before_next_world_collective(thread: int, hook: Callable[[], None]) -> None:
     """Run `hook` once, in thread `thread`, just before that thread next issues a
     collective over the whole default group that its step waits for -- one no rank can
-    finish the step without (lockstep.Elastic's rank 0 sets the step at which its members
-    stop for a joiner there: the step under way, not the one after). Point-to-point
+    finish the step without (lockstep.Elastic's rank 0 may set the step at which its
+    members stop for a joiner there: the step under way, not the one after). Point-to-point
     messages, subgroups and collectives issued inside `awaited_later()` do not run it.
     May be called from any thread."""
     global armed

@@ -96,15 +96,14 @@ class Heartbeat:
     """A daemon thread with its own store connection: bumps this worker's counter, learns
     when its epoch will stop to admit joiners, and -- on the epoch's rank 0 -- vets the
     joiners as soon as their count moves (read every JOINER_POLL_S, not at the next beat)
-    and says when admissible ones wait (`joiners_for`, and `on_joiners`). Rank 0's training
-    thread then sets the stopping step: as its step's non-finite flags leave, with a notice
-    in them (Coordinator.announce_stop); where steps exchange none, before it next issues
-    a collective over the group that its step waits for, or at its next step boundary, one
-    step ahead (Coordinator.grow_due) -- safe, since no member can finish a step without
-    rank 0. (Set from this
-    thread, it had to be a fifth of a second of steps ahead: a starved thread reads a step
-    that training has left behind. That and a beat's quarter second were most of a
-    joiner's wait.)"""
+    and says when admissible ones wait (`joiners_for`, and `on_joiners`). Rank 0 then sets
+    the stopping step from inside its step (autograd's thread on a GPU): as the step's
+    non-finite flags leave, with a notice in them (Coordinator.announce_stop); where steps
+    exchange none, before it next issues a collective over the group that its step waits
+    for, or at its next step boundary, one step ahead (Coordinator.grow_due) -- safe, since
+    no member can finish a step without rank 0. (Set from this thread, it had to be a
+    fifth of a second of steps ahead: a starved thread reads a step that training has left
+    behind. That and a beat's quarter second were most of a joiner's wait.)"""
 
     def __init__(self, address: str, worker: int, config: ElasticConfig,
                  terms: dict[str, Any]) -> None:

@@ -54,7 +54,6 @@ from lockstep.elastic.store import job_address
 from lockstep.elastic.terms import terms_of
 from lockstep.logs import get_logger
 from lockstep.replication.drift import DriftCheck
-from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.sharding import recovery
 
 log = get_logger(__name__)
@@ -135,7 +134,7 @@ class Elastic(Regrouping):
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
         self._shards_at: int | None = None  # ZeRO: pooled, not yet handed over (regroup.py)
         self._training_thread = threading.get_ident()  # the one that calls run_step
-        self._notices: FiniteCheck | None = None  # rank 0's notice to stop rides here
+        self._listens = False  # rank 0's notice to stop rides in each step's flags
         self._heard: tuple[int, bool | None] | None = None  # (epoch, in the last step)
         self.coordinator.heartbeat.on_joiners = self._stop_for_joiners_soon
         started = time.monotonic()
@@ -185,17 +184,22 @@ class Elastic(Regrouping):
             if self.coordinator.grow_due(self._current(), self.step, self._heard_here()):
                 with timeline.span("regroup (admitting joiners)"):
                     self._regroup(planned=True)
-            if self._notices is not None:
-                self._notices.take_notices()  # (any from exchanges between steps)
+            self._heard = None
+            self._take_notices()  # (any from exchanges between steps)
             value = train_step(self.model, self.step)
-            self._heard = None if self._notices is None else \
-                (self._current().epoch, self._notices.take_notices())
             self.update()
+            heard = self._take_notices()
+            self._heard = None if heard is None else (self._current().epoch, heard)
             self._phase = 1
         self._sync_round()
         self._commit()
         self.completed_here = True
         return value
+
+    def _take_notices(self) -> bool | None:
+        """Whether rank 0 gave notice in the exchanges of flags since the last call (None:
+        there were none, or the wrapper makes none)."""
+        return self.model.reducer.finite.take_notices() if self._listens else None
 
     def _heard_here(self) -> bool | None:
         """Whether rank 0 gave notice to stop here in the last step's exchange of flags
@@ -212,7 +216,7 @@ class Elastic(Regrouping):
         step later (most of what a joiner waited). Where the notice rides in the flags,
         rank 0 sets the step as they leave instead (Coordinator.announce_stop): a stop
         set before a later collective of the step would reach no member."""
-        if self._notices is None:
+        if not self._listens:
             before_next_world_collective(self._training_thread, self._set_stopping_step)
 
     def _set_stopping_step(self) -> None:

@@ -195,16 +195,18 @@ class Coordinator:
         """Whether the epoch stops at this step boundary to admit joiners.
 
         `heard`: whether rank 0 gave notice to stop here in the step before's exchange of
-        non-finite flags (announce_stop), which every rank of a DataParallel makes -- the
-        answer, with no store to ask -- or None where that step exchanged none.
+        non-finite flags (announce_stop), which every rank of a DataParallel training step
+        by step with the check on makes -- the answer, with no store to ask -- or None
+        where that step exchanged none (local SGD and DiLoCo, `nonfinite="off"`).
 
         Else, until the heartbeat has learnt the step, the store is asked: a heartbeat
         thread starved on a loaded machine once learnt it too late, and that member went
         into the step the others stopped before (its attempt interrupted, the step redone).
 
-        Rank 0 sets the step here, at the next boundary (and round end) after `step`: at
-        its step boundary, or sooner, just before it issues a collective over the group
-        that step `step` waits for (Elastic._stop_for_joiners_soon). No member can be past
+        Rank 0 sets the step here (where no flags carry notices), at the next boundary (and
+        round end) after `step`: at its step boundary, or sooner, just before it issues a
+        collective over the group that step `step` waits for
+        (Elastic._stop_for_joiners_soon). No member can be past
         that boundary, because every step -- under local SGD, DiLoCo and streaming DiLoCo
         every round's end -- waits on a collective rank 0 has not joined yet. A mode whose
         round ends without one would need more steps ahead."""
@@ -243,6 +245,8 @@ class Coordinator:
             except (RuntimeError, OSError) as error:  # (EtcdUnavailable too): nobody can
                 log.debug("worker %d: setting the step to stop for joiners failed: %s",
                           self.id, error)             # join now; the next step asks again
+                if connection_lost(error):  # for good: no more calls (each logs a C++
+                    self.heartbeat.lost = True  # stack trace)
                 return False
             self._stop_set = (epoch, at)
         return self._stop_set == (epoch, step + 1)

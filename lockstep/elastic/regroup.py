@@ -35,7 +35,6 @@ from lockstep.logs import get_logger
 from lockstep.replication.choices import fault_tolerant
 from lockstep.replication.consistency import levelled_elsewhere
 from lockstep.replication.drift import DriftCheck
-from lockstep.replication.nonfinite import FiniteCheck
 from lockstep.sharding import recovery
 from lockstep.sharding.optimizer import ZeroOptimizer
 from lockstep.sharding.sharded import ShardedDataParallel
@@ -66,7 +65,7 @@ class Regrouping:
     _rejoined_at: int
     _received: bool
     _in_rounds: bool
-    _notices: FiniteCheck | None
+    _listens: bool
     _held: recovery.Held | None
     _shards_at: int | None
 
@@ -209,12 +208,13 @@ class Regrouping:
     def _listen_for_notices(self) -> None:
         """Where every step exchanges non-finite flags over the whole group (a DataParallel
         with the check on, training step by step: ZeRO too), rank 0's notice to stop for
-        joiners rides in them (nonfinite.py): no member asks the store at each boundary."""
+        joiners rides in them (nonfinite.py): no member asks the store at each boundary.
+        (A reducer the wrapper builds anew -- a comm hook, requires_grad changed -- takes
+        the notice over.)"""
         finite = getattr(getattr(self.model, "reducer", None), "finite", None)
-        listens = finite is not None and finite.mode != "off" and not self._in_rounds
-        self._notices = finite if listens else None
-        if self._notices is not None:
-            self._notices.notice = self._announce
+        self._listens = finite is not None and finite.mode != "off" and not self._in_rounds
+        if finite is not None and self._listens:
+            finite.notice = self._announce
 
     def _announce(self) -> bool:
         m = self._current()

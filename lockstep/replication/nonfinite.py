@@ -174,7 +174,7 @@ class FiniteCheck:
         self._notices += abs(notices) > 0.5  # (a complex model's flags are complex)
         bad_ranks = [r for r, v in enumerate(per_rank) if not cmath.isfinite(v)] if self.carried \
             else [r for r, flag in enumerate(per_rank) if flag]
-        if not bad_ranks or scaling > 0.5:
+        if not bad_ranks or abs(scaling) > 0.5:  # (complex too)
             return True
         if self.carried:  # the same averaged gradients on every rank: no collective
             everything = list(range(len(self.names)))

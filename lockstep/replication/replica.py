@@ -187,6 +187,9 @@ class DataParallel(nn.Module):
         self._trainable_mask = requires_grad_mask(self.module)
         reducer = Reducer(self._reduced_params(), self.reduction, *self._bucket_bytes,
                           self._find_unused, self.group, self._nonfinite)
+        replaced = getattr(self, "reducer", None)
+        if replaced is not None:  # (who gives notice in the flags: lockstep.Elastic's rank 0)
+            reducer.finite.notice = replaced.finite.notice
         self._owned.reducer = reducer
         return reducer
 

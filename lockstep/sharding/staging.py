@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
+from lockstep.replication.nonfinite import flags_numel
 
 # Host memory per rank for the staging slots: between two ranks, pieces of 128K floats (a
 # reduce-scatter) or 64K (stage 1's all-reduce), each copied in ~50 µs or less, against a few
@@ -50,7 +51,7 @@ class Staging:
                           for _ in range(2)] for d in self.piece}
         self.sums = {d: [memory.allocate(self.piece[d], d) for _ in range(2)]
                      for d in self.piece} if stage == 1 else {}
-        self.flags = HostFlags(memory, self.world + 1, torch.int32)
+        self.flags = HostFlags(memory, flags_numel(self.world), torch.int32)
         self._pieces = 0
 
     def reduce_scatter(self, flat: torch.Tensor, label: str) -> torch.Tensor:
