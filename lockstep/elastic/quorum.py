@@ -217,10 +217,9 @@ class Coordinator:
         if at is None and not self.heartbeat.lost:
             try:
                 if self.heartbeat.joiners_for == membership.epoch:  # rank 0: stop after
-                    align = self.heartbeat.align                    # the next step (or
-                    at = int(self.store.compare_set(             # what is set already)
-                        key, "", str(math.ceil((step + 1) / align) * align)))
-                    self._stop_set = (membership.epoch, at)
+                    align = self.heartbeat.align                    # the next step
+                    at = self._set_stop(membership.epoch,
+                                        math.ceil((step + 1) / align) * align)
                 elif self.store.check([key]):
                     at = int(self.store.get(key))
             except EtcdUnavailable:  # unreachable for now: no joiner is let in meanwhile
@@ -241,15 +240,20 @@ class Coordinator:
             if self.heartbeat.joiners_for != epoch or self.heartbeat.lost:
                 return False
             try:
-                at = int(self.store.compare_set(f"grow/{epoch}", "", str(step + 1)))
+                self._set_stop(epoch, step + 1)
             except (RuntimeError, OSError) as error:  # (EtcdUnavailable too): nobody can
                 log.debug("worker %d: setting the step to stop for joiners failed: %s",
                           self.id, error)             # join now; the next step asks again
                 if connection_lost(error):  # for good: no more calls (each logs a C++
                     self.heartbeat.lost = True  # stack trace)
                 return False
-            self._stop_set = (epoch, at)
         return self._stop_set == (epoch, step + 1)
+
+    def _set_stop(self, epoch: int, step: int) -> int:
+        """Rank 0: `epoch` stops at `step` for joiners -- or at the step set already."""
+        at = int(self.store.compare_set(f"grow/{epoch}", "", str(step)))
+        self._stop_set = (epoch, at)
+        return at
 
     # ---- regrouping ---------------------------------------------------------------------
 
