@@ -142,6 +142,7 @@ def one_model(name: str, rounds: int) -> dict[str, Any]:
     return {"advice": advice.as_record(), "advise_s": max(advise_s),
             "predicted_ms": {k: statistics.median(v) for k, v in predicted.items()},
             "measured_ms": {k: statistics.median(v) for k, v in measured.items()},
+            "measured_each_ms": measured, "predicted_each_ms": predicted,
             "recommended": max(chosen, key=chosen.count), "recommended_each": chosen}
 
 

@@ -220,8 +220,13 @@ class Cluster:
     def _shape(self, prefix: list[str], device: str, bandwidth: str | None = None) -> None:
         bandwidth = bandwidth or self.bandwidth
         assert bandwidth is not None
-        # The bucket must hold at least one timer tick of traffic at this rate.
-        burst = max(64 * 1024, int(parse_bandwidth(bandwidth) / 8 / 100))
+        # tbf lets a full bucket's bytes through at the veth's own speed, which a real link
+        # of this rate never does. A millisecond of traffic still reaches the rate (tbf's
+        # timer is high-resolution; a quarter of one did not: 0.59 of 1 Gbit/s); the 10 ms it
+        # held before refilled during a small model's compute, and the MNIST CNN's 828 KB
+        # all-reduce crossed a "1 Gbit/s" link in 1.3 ms after a 7 ms pause, not 6.4.
+        # (At least a few full frames, for slow links.)
+        burst = max(8 * 1024, int(parse_bandwidth(bandwidth) / 8 / 1000))
         subprocess.run([*prefix, "tc", "qdisc", "replace", "dev", device, "root", "tbf",
                         "rate", bandwidth, "burst", str(burst), "latency", "50ms"],
                        check=True, capture_output=True, text=True)
