@@ -154,6 +154,7 @@ class PowerSGD(Compression):
     """
 
     name = "powersgd"
+    carries_flags = True  # (they travel with the part sent whole)
 
     def __init__(self, rank: int = 4, warmup_steps: int = 10, min_compression: float = 2.0,
                  seed: int = 0, wire_dtype: str | None = None) -> None:
@@ -180,6 +181,8 @@ class PowerSGD(Compression):
                 matrices.append((index, v.view(v.shape[0], -1)))
             else:
                 vectors.append(v)
+        if bucket.extra:  # the non-finite flags, summed exactly
+            vectors.append(bucket.carried())
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
             whole = self._packed(vectors)
@@ -266,6 +269,7 @@ class TopK(Compression):
     """
 
     name = "topk"
+    carries_flags = True  # (they travel with the values, each rank's whole)
 
     def __init__(self, ratio: float = 0.01, warmup_steps: int = 0) -> None:
         if not 0 < ratio <= 1:
@@ -276,7 +280,8 @@ class TopK(Compression):
         self._errors: dict[int, torch.Tensor] = {}
 
     def compress_bucket(self, bucket: Bucket) -> None:
-        flat, spec = bucket.flat, bucket.spec
+        spec, extra = bucket.spec, bucket.extra
+        flat = bucket.flat[:bucket.flat.numel() - extra]
         for index, view in zip(spec.param_indices, bucket.views, strict=True):
             if index in self._errors:
                 view.add_(self._errors[index].view_as(view))
@@ -290,13 +295,18 @@ class TopK(Compression):
             self._errors[index] = residual[offset:offset + p.numel()]
         # int32 indices: half the bytes of int64, enough for any bucket under 8 GB.
         everyone_i = torch.empty(self.world_size * k, dtype=torch.int32, device=flat.device)
-        everyone_v = torch.empty(self.world_size * k, dtype=flat.dtype, device=flat.device)
+        everyone_v = torch.empty(self.world_size, k + extra, dtype=flat.dtype,
+                                 device=flat.device)
         comm.all_gather_into(everyone_i, indices.to(torch.int32),
                              f"TopK indices of {bucket.label}", self.group)
-        comm.all_gather_into(everyone_v, values, f"TopK values of {bucket.label}", self.group)
-        self._sent += k * (4 + values.element_size())
+        # The non-finite flags (the last bucket's `extra` elements) ride with the values
+        comm.all_gather_into(everyone_v.view(-1), torch.cat([values, bucket.carried()]),
+                             f"TopK values of {bucket.label}", self.group)
+        self._sent += k * 4 + (k + extra) * values.element_size()
         flat.zero_()
-        flat.index_add_(0, everyone_i.long(), everyone_v)
+        flat.index_add_(0, everyone_i.long(), everyone_v[:, :k].reshape(-1))
+        if extra:
+            torch.sum(everyone_v[:, k:], dim=0, out=bucket.carried())
 
 
     def checkpoint_tensors(self, params: Sequence[torch.nn.Parameter]
