@@ -11,13 +11,14 @@ job with an error naming the step, those ranks and the first parameter; `nonfini
 drops the step instead (every rank alike) and counts it.
 
 Two ways, one result. Where every element of a bucket arrives summed on every rank (an
-all-reduce: `Reduction.carries_flags`), each bucket is summed once as it launches, and this
+all-reduce; or a compressor that sends the last bucket's extra elements whole and summed
+beside its own: `Reduction.carries_flags`), each bucket is summed once as it launches, and this
 rank's total rides in an element of its own at the end of the last bucket (the others add
 zero to it) -- no collective of its own, no work per gradient (a tiny model's step is
 mostly collective latency; a second collective was a third of it). A rank whose element
 comes back non-finite is flagged; the parameters to name are those whose averaged gradient
 is not finite: NaN and inf reach the average element by element. Elsewhere (ZeRO's
-reduce-scatter keeps only shards, a compressor changes the values, shm sums slices) each
+reduce-scatter keeps only shards, shm sums slices) each
 gradient is summed as it arrives and the flags travel in a tiny all-reduce of their own,
 launched alongside the last buckets -- or in the reduction's own way
 (`Reduction.share_flags`: shm sums them in its shared memory).
