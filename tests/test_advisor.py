@@ -23,6 +23,7 @@ from lockstep.advisor.predict import (
     Mode,
     Prediction,
     _pipeline,
+    modes,
     predict,
     predict_all,
 )
@@ -232,8 +233,29 @@ def test_the_shared_memory_collectives_are_timed_on_the_job_s_own_ranks(world2: 
         assert all(list(t) == [1 << 20] and 0 < t[1 << 20] < 1.0 for t in timed.values())
 
 
+def timed_on(link: WireCost) -> ModelCost:
+    """MODEL with PowerSGD and TopK as measure.py times them: through the job's own group,
+    their collectives on `link` included (rank 4: P and Q of 256 x 4, the bias whole;
+    TopK 1%: 655 values and their indices, each all-gathered)."""
+    powersgd = sum(link.all_reduce("native", 4 * n) for n in (1024, 1024, 256))
+    topk = 2 * link.time("all-gather", 2 * 655 * 4)
+    return replace(MODEL, compress_s={"bf16": 0.1 * MS, "powersgd": 1 * MS + powersgd,
+                                      "topk": 1 * MS + topk})
+
+
+def test_powersgd_and_topk_take_what_they_were_timed_at() -> None:
+    """Their seconds hold their wire already (the waits at their small collectives too):
+    the link's timings add nothing to them."""
+    for name in ("sync powersgd", "sync topk"):
+        steps = {predict(next(m for m in modes(2, 1) if m.name == name), MODEL, link).step_s
+                 for link in (SLOW, FAST)}
+        assert len(steps) == 1
+        assert steps.pop() >= 32 * MS + MODEL.compress_s[name.split()[1]]
+
+
 def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:
-    return Advice(MODEL, link, predict_all(MODEL, link, memory_bytes), 64, memory_bytes)
+    model = timed_on(link)
+    return Advice(model, link, predict_all(model, link, memory_bytes), 64, memory_bytes)
 
 
 def test_the_most_faithful_mode_within_5_percent_of_the_fastest_is_recommended() -> None:

@@ -8,7 +8,8 @@ ready and the one before it is done -- then the optimizer:
     step = forward + max(backward, the last bucket done) + optimizer
 
 (with gradient accumulation, the earlier micro-steps' forward and backward come first).
-A compression changes what each bucket sends and adds its local work; ZeRO-1 and 2 step
+A cast halves what each bucket sends and adds its local work; PowerSGD and TopK take what
+they were timed at, wire and all, through the job's own group; ZeRO-1 and 2 step
 1/N of the optimizer and all-gather the parameters after it (2 reduce-scatters where 1
 all-reduces); ZeRO-3 gathers each layer before its forward and again in backward (the
 next one prefetched while the current one computes) and reduce-scatters its gradient.
@@ -27,7 +28,6 @@ from typing import Any
 from lockstep.advisor.compression import TOPK_RATIO, powersgd_numels
 from lockstep.advisor.measure import ModelCost
 from lockstep.advisor.wire import (
-    ALL_GATHER,
     ALL_REDUCE,
     GATHER_SHARDS,
     GATHER_SHM,
@@ -211,20 +211,14 @@ def _bucket_times(config: Any, model: ModelCost, wire: WireCost,
         work = model.compress_s["bf16"]
         return [wire.all_reduce(f"native {compress}", s // 2) + work * s / total
                 for s in sizes], total / 2
+    # PowerSGD and TopK were timed through the job's own group (compression.py): their
+    # seconds hold their collectives and the waits at them, shared by the buckets' sizes
     if isinstance(compress, PowerSGD):
-        work = model.compress_s["powersgd"]
-        times, sent = [], 0.0
-        for b, s in zip(buckets, sizes, strict=True):
-            p, q, whole = (4 * k for k in powersgd_numels(model.shapes[i] for i in b))
-            times.append(sum(wire.all_reduce("native", k) for k in (p, q, whole)) +
-                         work * s / total)
-            sent += p + q + whole
-        return times, sent
+        sent = sum(4.0 * sum(powersgd_numels(model.shapes[i] for i in b)) for b in buckets)
+        return [model.compress_s["powersgd"] * s / total for s in sizes], sent
     assert isinstance(compress, TopK)
-    work = model.compress_s["topk"]
     picks = [max(1, int(compress.ratio * s / 4)) for s in sizes]  # values + int32 indices
-    return [2 * wire.time(ALL_GATHER, wire.world_size * k * 4) + work * s / total
-            for k, s in zip(picks, sizes, strict=True)], float(sum(picks) * 8)
+    return [model.compress_s["topk"] * s / total for s in sizes], float(sum(picks) * 8)
 
 
 def _gather(config: ShardConfig, wire: WireCost, nbytes: int) -> float:
