@@ -236,9 +236,9 @@ def test_the_shared_memory_collectives_are_timed_on_the_job_s_own_ranks(world2: 
 def timed_on(link: WireCost) -> ModelCost:
     """MODEL with PowerSGD and TopK as measure.py times them: through the job's own group,
     their collectives on `link` included (rank 4: P and Q of 256 x 4, the bias whole;
-    TopK 1%: 655 values and their indices, each all-gathered)."""
+    TopK 1%: 657 values and their indices, each all-gathered)."""
     powersgd = sum(link.all_reduce("native", 4 * n) for n in (1024, 1024, 256))
-    topk = 2 * link.time("all-gather", 2 * 655 * 4)
+    topk = 2 * link.time("all-gather", 2 * 657 * 4)
     return replace(MODEL, compress_s={"bf16": 0.1 * MS, "powersgd": 1 * MS + powersgd,
                                       "topk": 1 * MS + topk})
 
@@ -249,8 +249,8 @@ def test_powersgd_and_topk_take_what_they_were_timed_at() -> None:
     for name in ("sync powersgd", "sync topk"):
         steps = {predict(next(m for m in modes(2, 1) if m.name == name), MODEL, link).step_s
                  for link in (SLOW, FAST)}
-        assert len(steps) == 1
-        assert steps.pop() >= 32 * MS + MODEL.compress_s[name.split()[1]]
+        assert len(steps) == 1  # one bucket, sent once backward ends: nothing hides it
+        assert steps.pop() == pytest.approx(32 * MS + MODEL.compress_s[name.split()[1]])
 
 
 def advice(link: WireCost, memory_bytes: float = 1e12) -> Advice:

@@ -7,6 +7,7 @@ intact; with nonfinite="skip" every rank drops that step alike and training goes
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import lockstep
-from lockstep.replication.nonfinite import NonFiniteGradientError
+from lockstep.replication.nonfinite import FiniteCheck, NonFiniteGradientError, flags_numel
 from lockstep.testing import World
 from lockstep.training import checkpoint
 from tests.models import batch, digest, make_model
@@ -77,7 +78,7 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(  # in a collective of 
 
 
 @pytest.mark.parametrize("compress", ["topk", "powersgd", "powersgd-warm"])
-def test_a_compressor_carries_the_flags_and_stops_every_rank_alike(
+def test_a_nan_under_a_compressor_stops_every_rank_at_that_step(
         world2: World, compress: str) -> None:
     """TopK's values and PowerSGD's uncompressed part carry the flags, summed exactly
     (a compressor would drop or approximate them as gradients)."""
@@ -89,11 +90,32 @@ def test_a_compressor_carries_the_flags_and_stops_every_rank_alike(
         assert f"rank(s) [{BAD_RANK}]" in message and "first in '0.weight'" in message  # type: ignore[operator]
 
 
-def test_skip_drops_the_step_on_every_rank_and_goes_on(world2: World) -> None:
-    results = world2.run(check_loop, "skip", "fp32", float("inf"))
+@pytest.mark.parametrize("compress", ["none", "topk", "powersgd"])
+def test_skip_drops_the_step_on_every_rank_and_goes_on(world2: World, compress: str) -> None:
+    """A compressor's state from the dropped step (error feedback, PowerSGD's Q) held the
+    NaN too and brought it into the weights a step later, where no flag saw it: dropped
+    with the step."""
+    results = world2.run(check_loop, "skip", "fp32", float("nan"), "native", compress)
     assert len({r["digest"] for r in results}) == 1  # replicas stayed identical
     for result in results:
         assert result["steps"] == 6 and result["finite"] and result["skipped"] == 1, result
+
+
+def check_flag_values(value: float) -> list[float]:
+    """This rank's flag after a gradient bucket of `value`s, as a 16-bit wire carries it."""
+    world = lockstep.init()
+    check = FiniteCheck("error", ["w"], None, carried=True)
+    flags = torch.zeros(flags_numel(world.world_size))
+    check.launching(torch.full((8,), value), flags)
+    return flags.to(torch.float16).tolist()
+
+
+def test_a_flag_is_zero_or_nan_so_a_16_bit_wire_carries_it_exactly(world2: World) -> None:
+    """A large finite sum (8e5, past fp16's 65504) must not arrive as inf: a false alarm."""
+    for flags in world2.run(check_flag_values, 1e5):
+        assert flags == [0.0] * len(flags)
+    for rank, flags in enumerate(world2.run(check_flag_values, float("inf"))):
+        assert math.isnan(flags[rank]) and flags[1 - rank] == 0.0
 
 
 def check_trainer(run_dir: str, mode: str) -> dict[str, object]:
@@ -181,6 +203,8 @@ def test_the_flags_ride_in_the_last_bucket_where_every_element_is_summed(
     # the MNIST CNN 2-3 ms of a 16 ms step on 2 emulated hosts)
     topk = world2.run(collectives_per_step, "native", "topk")[0]
     assert len(topk) == 6 and all("TopK" in label for label in topk), topk
+    powersgd = world2.run(collectives_per_step, "native", "powersgd")[0]  # (compressed)
+    assert len(powersgd) == 9 and all("PowerSGD" in label for label in powersgd), powersgd
     shm = world2.run(collectives_per_step, "shm")[0]
     assert len(shm) == 6 and all(  # a bucket's barrier names it, as its all-reduce would
         bucket.startswith("gradient bucket 1/1") and end.startswith("every rank on the host has")

@@ -120,8 +120,9 @@ class Advice:
                                "optimizer": self.model.optimizer_s * 1e3,
                                "diloco_outer": self.model.outer_s * 1e3,
                                "lockstep_wrapper": self.model.wrapper_s * 1e3,
-                               **{f"compress_{k}": v * 1e3
-                                  for k, v in self.model.compress_s.items()}},
+                               "compress_bf16": self.model.compress_s["bf16"] * 1e3},
+                "compressors_ms": {k: v * 1e3 for k, v in self.model.compress_s.items()
+                                   if k != "bf16"},  # (their collectives included)
                 "interference": self.model.interference,
                 "collectives_ms": {kind: {str(n): t * 1e3 for n, t in sorted(points.items())}
                                    for kind, points in self.wire.timed.items()},

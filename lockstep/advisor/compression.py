@@ -1,4 +1,4 @@
-"""Each compression's own work per step, measured on lockstep's compressor itself.
+"""What each compression costs per step, measured on lockstep's compressor itself.
 
 The compressors (replication/compress.py) are run on this rank's real gradients, laid out
 in the buckets DataParallel would make. The cast runs through an all-reduce that sends
@@ -8,9 +8,10 @@ own group, every rank at once, and their seconds include their wire: each makes 
 small collectives with work between them (products and orthonormalisation, selection and
 scatter), and at each one every rank waits for the last to arrive -- ranks sharing cores
 drift apart within a step -- which the sum of their parts, each collective timed with the
-ranks already together, left out: that sum put them 12-31% under their measured steps
-on the MNIST CNN over 2 and 4 emulated hosts. (The arithmetic alone had said 1.3 ms for
-TopK on the CNN, where the compressor in a training step cost 4.)
+ranks already together, left out: on 2 and 4 emulated hosts that sum put TopK 7-31% under
+its measured step in every cell (the MNIST CNN and the char-GPT, 1 Gbit/s and 100 Mbit/s)
+and PowerSGD 12-23% under in seven of eight. (The arithmetic alone had said 1.3 ms for TopK
+on the CNN, where the compressor in a training step cost 4.)
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ WITH_WIRE = ("powersgd", "topk")
 """The compressors whose seconds include their collectives on the job's own group."""
 
 
-def compressor_work(params: Sequence[nn.Parameter], alone: comm.Group, repeats: int = 12
-                    ) -> dict[str, float]:
+def compressor_seconds(params: Sequence[nn.Parameter], alone: comm.Group, repeats: int = 12
+                       ) -> dict[str, float]:
     """Mean seconds of one step of each compressor over `params`' gradients (set): the
     cast's collective over `alone` (group_of_one), sending nothing; PowerSGD's and TopK's
     over the job's group (WITH_WIRE). Collective: every rank measures at once."""
@@ -84,18 +85,20 @@ def compressor_work(params: Sequence[nn.Parameter], alone: comm.Group, repeats: 
     seconds = {}
     for name, make in COMPRESSORS.items():
         compressor = make()
-        if name in WITH_WIRE:
-            compressor.wrap(Native(None), world_size=comm.size_of())
-        else:
-            compressor.wrap(_NoWire(alone), world_size=1)
-        buckets = [Bucket(i, spec, params, f"bucket {i}", compressor)
-                   for i, spec in enumerate(specs)]
-        _one_step(compressor, buckets, grads)  # (its thread and buffers started)
-        comm.barrier(f"advisor: time the {name} compressor")
-        # The mean, as a training step's time is: a compressor's waits have a long tail
-        seconds[name] = statistics.fmean(
-            _one_step(compressor, buckets, grads) for _ in range(repeats))
-        compressor.close()
+        try:
+            if name in WITH_WIRE:
+                compressor.wrap(Native(None), world_size=comm.size_of())
+            else:
+                compressor.wrap(_NoWire(alone), world_size=1)
+            buckets = [Bucket(i, spec, params, f"bucket {i}", compressor)
+                       for i, spec in enumerate(specs)]
+            _one_step(compressor, buckets, grads)  # (its thread and buffers started)
+            comm.barrier(f"advisor: time the {name} compressor")
+            # The mean, as a training step's time is: a compressor's waits have a long tail
+            seconds[name] = statistics.fmean(
+                _one_step(compressor, buckets, grads) for _ in range(repeats))
+        finally:
+            compressor.close()
     return seconds
 
 
@@ -104,11 +107,18 @@ def _one_step(compressor: Compression, buckets: list[Bucket],
     for bucket in buckets:  # (filling the buckets is DataParallel's work in every mode)
         for view, index in zip(bucket.views, bucket.spec.param_indices, strict=True):
             view.copy_(grads[index])
+    _synchronize(grads[0].device)
     started = time.perf_counter()
     for handle in [compressor.start(bucket) for bucket in buckets]:
         handle.wait()
     compressor.finish(buckets)
+    _synchronize(grads[0].device)  # (on a GPU, the kernels and NCCL's work are queued)
     return time.perf_counter() - started
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def powersgd_numels(shapes: Iterable[tuple[int, ...]]) -> tuple[int, int, int]:

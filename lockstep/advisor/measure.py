@@ -2,12 +2,13 @@
 
 A few plain steps of the user's model with no communication at all: forward, backward
 (and the moment each parameter's gradient is ready, which decides how much of a bucket's
-communication backward can hide), the optimizer's step, DiLoCo's outer step, and the
-work each compressor adds per step (compression.py), and how much communication beside
-backward slows it. Every rank measures at once, as they will train -- on a shared host the
-processes compete for its cores, and the measurement should see that -- and each step
-counts at its slowest rank, since a synchronous step waits for it; no step is counted
-faster than the ranks keep up when they run step after step.
+communication backward can hide), the optimizer's step, DiLoCo's outer step; what each
+compressor costs per step (compression.py: the cast's work alone, PowerSGD and TopK with
+their collectives); and how much communication beside backward slows it. Every rank
+measures at once, as they will train -- on a shared host the processes compete for its
+cores, and the measurement should see that -- and each step counts at its slowest rank,
+since a synchronous step waits for it; no step is counted faster than the ranks keep up
+when they run step after step.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from lockstep import comm
-from lockstep.advisor.compression import compressor_work, group_of_one
+from lockstep.advisor.compression import compressor_seconds, group_of_one
 from lockstep.advisor.costmodel import median_seconds
 from lockstep.replication import memory
 from lockstep.replication.precision import autocast
@@ -50,7 +51,9 @@ class ModelCost:
     unit_numels: tuple[int, ...]
     """ZeRO-3's units (a layer each), in forward order."""
     compress_s: dict[str, float]
-    """Each compressor's own work per step, the wire aside ("bf16", "powersgd", "topk")."""
+    """Each compressor's seconds per step ("bf16", "powersgd", "topk"): the cast's work
+    alone (its all-reduce is timed with the wire's); PowerSGD and TopK whole, through the
+    job's own group, their collectives and the waits at them included."""
     wrapper_s: float = 0.0
     """lockstep's own work in a synchronous step, beyond the model's (hooks, buckets)."""
     micro_steps: int = 1
@@ -110,7 +113,7 @@ def measure_model(module: nn.Module, batches: Batches,
     try:
         extra = [_outer_step_s(params),
                  _wrapper_s(module, make_optimizer, loss, batches, alone),
-                 *compressor_work(params, alone).values()]
+                 *compressor_seconds(params, alone).values()]
     finally:
         comm.destroy_group(alone)
     slowest = comm.control_tensor(extra, dtype=torch.float64)

@@ -1,10 +1,11 @@
 """What the advisor measures of the network: every collective the modes would issue, at the
-sizes they would issue it, timed on the job's own ranks and links.
+sizes they would issue it, timed on the job's own ranks and links -- but PowerSGD's and
+TopK's, which are timed with the compressors themselves (compression.py).
 
 The modes' predictions are first made against `Asking`, which answers 0 and writes down
 each (collective, size) asked for; those are timed -- the all-reduce with each algorithm
-lockstep offers for this layout, as DataParallel would run it, reduce-scatter and
-all-gather with the backend's own, as ZeRO does -- and the predictions are made again
+lockstep offers for this layout, as DataParallel would run it, reduce-scatter and ZeRO's
+gather of shards with the backend's own, as ZeRO does -- and the predictions are made again
 against the timings. Timing the sizes themselves, not a line through two of them, matters:
 Gloo's all-gather took 0.3 ms at 64 KB, 3.5 ms at 800 KB and 4.2 ms at 8 MB on loopback
 here, a curve no alpha-beta line follows.
@@ -25,7 +26,7 @@ from lockstep.replication.choices import make_algorithm
 from lockstep.replication.compress import HALF_DTYPES
 from lockstep.sharding.staging import Staging
 
-ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = "all-reduce", "reduce-scatter", "all-gather"
+ALL_REDUCE, REDUCE_SCATTER = "all-reduce", "reduce-scatter"
 GATHER_SHARDS = "shard gather"
 """ZeRO's gather of parameter shards into the whole (comm.gather_shards_async: on Gloo one
 broadcast per owner, which costs what an all-gather does not on a slow link)."""
@@ -38,13 +39,13 @@ STAGED_REDUCE_SCATTER, STAGED_ALL_REDUCE = "staged reduce-scatter", "staged all-
 Kind = str
 """ALL_REDUCE + " " + an algorithm ("all-reduce native"), and a 16-bit dtype where the
 buffer is one ("all-reduce native bf16": Gloo sums those at its own pace); REDUCE_SCATTER,
-ALL_GATHER or GATHER_SHARDS."""
+GATHER_SHARDS, or one of the host-memory kinds above."""
 
 
 class WireCost:
     """Seconds for each collective at each size timed; between sizes, a straight line
     between the nearest two (beyond them, the nearest one's rate). Sizes are the whole
-    buffer's bytes: reduce-scatter's input, all-gather's output."""
+    buffer's bytes: reduce-scatter's input, a gather's output."""
 
     def __init__(self, timed: dict[Kind, dict[int, float]], world_size: int,
                  local_world_size: int) -> None:
@@ -128,8 +129,7 @@ def measure_wire(asked: Iterable[tuple[Kind, int]], local_world_size: int,
                 timed[kind] = {n: slowest_median(ON_HOST[kind](n, memory), budget_s, 100)
                                for n in sizes}
         else:
-            start = {REDUCE_SCATTER: _reduce_scatter, ALL_GATHER: _all_gather,
-                     GATHER_SHARDS: _gather_shards}[kind]
+            start = {REDUCE_SCATTER: _reduce_scatter, GATHER_SHARDS: _gather_shards}[kind]
             timed[kind] = {n: slowest_median(start(n), budget_s, 100) for n in sizes}
     return WireCost(timed, comm.size_of(), local_world_size)
 
@@ -148,11 +148,6 @@ def _all_reduce(nbytes: int, dtype: torch.dtype) -> Callable[[], object]:
 def _reduce_scatter(nbytes: int) -> Callable[[], object]:
     whole, mine = _buffers(nbytes)
     return lambda: comm.reduce_scatter(mine, whole, "advisor: reduce-scatter probe")
-
-
-def _all_gather(nbytes: int) -> Callable[[], object]:
-    whole, mine = _buffers(nbytes)
-    return lambda: comm.all_gather_into(whole, mine, "advisor: all-gather probe")
 
 
 def _gather_shm(nbytes: int, memory: HostMemory) -> Callable[[], object]:

@@ -117,7 +117,7 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Cast(Compression):
-    carries_flags = True  # small whole numbers are exact in bf16 and fp16
+    carries_flags = True  # (0, NaN and small whole numbers are exact in bf16 and fp16)
 
     def __init__(self, dtype: str) -> None:
         if dtype not in HALF_DTYPES:
@@ -181,7 +181,7 @@ class PowerSGD(Compression):
                 matrices.append((index, v.view(v.shape[0], -1)))
             else:
                 vectors.append(v)
-        if bucket.extra:  # the non-finite flags, summed exactly
+        if bucket.extra:  # the non-finite flags (0 or NaN each: exact in 16 bits too)
             vectors.append(bucket.carried())
         in_flight = None
         if vectors:  # one all-reduce for everything sent whole, overlapping the P products
@@ -211,6 +211,14 @@ class PowerSGD(Compression):
             # gradient minus 1/N of the sum's approximation; shares add up to the miss.
             self._errors[key] = mine.sub_(m, alpha=1.0 / self.world_size)
             self._qs[key] = q
+
+    def drop_step(self, buckets: Any) -> None:
+        """A step dropped for a non-finite gradient: its error feedback and its Q hold the
+        NaN too, and would bring it into the next step's gradients after the flags were
+        summed (they sum each rank's gradients before the feedback is added): start again
+        as at the first compressed step, on every rank alike."""
+        self._errors.clear()
+        self._qs.clear()
 
     def _q(self, key: int, m: torch.Tensor) -> torch.Tensor:
         if key not in self._qs:  # the same random start on every rank, whenever it is made
@@ -300,14 +308,20 @@ class TopK(Compression):
         comm.all_gather_into(everyone_i, indices.to(torch.int32),
                              f"TopK indices of {bucket.label}", self.group)
         # The non-finite flags (the last bucket's `extra` elements) ride with the values
-        comm.all_gather_into(everyone_v.view(-1), torch.cat([values, bucket.carried()]),
-                             f"TopK values of {bucket.label}", self.group)
+        sent = torch.cat([values, bucket.carried()]) if extra else values
+        comm.all_gather_into(everyone_v.view(-1), sent, f"TopK values of {bucket.label}",
+                             self.group)
         self._sent += k * 4 + (k + extra) * values.element_size()
         flat.zero_()
         flat.index_add_(0, everyone_i.long(), everyone_v[:, :k].reshape(-1))
         if extra:
             torch.sum(everyone_v[:, k:], dim=0, out=bucket.carried())
 
+
+    def drop_step(self, buckets: Any) -> None:
+        """A step dropped for a non-finite gradient: its error feedback holds the NaN too
+        (see PowerSGD.drop_step): none is carried on."""
+        self._errors.clear()
 
     def checkpoint_tensors(self, params: Sequence[torch.nn.Parameter]
                            ) -> dict[str, torch.Tensor]:

@@ -10,18 +10,19 @@ gradients of the flagged parameters are checked element by element. The default 
 job with an error naming the step, those ranks and the first parameter; `nonfinite="skip"`
 drops the step instead (every rank alike) and counts it.
 
-Two ways, one result. Where every element of a bucket arrives summed on every rank (an
-all-reduce; or a compressor that sends the last bucket's extra elements whole and summed
-beside its own: `Reduction.carries_flags`), each bucket is summed once as it launches, and this
-rank's total rides in an element of its own at the end of the last bucket (the others add
-zero to it) -- no collective of its own, no work per gradient (a tiny model's step is
-mostly collective latency; a second collective was a third of it). A rank whose element
-comes back non-finite is flagged; the parameters to name are those whose averaged gradient
-is not finite: NaN and inf reach the average element by element. Elsewhere (ZeRO's
-reduce-scatter keeps only shards, shm sums slices) each
-gradient is summed as it arrives and the flags travel in a tiny all-reduce of their own,
-launched alongside the last buckets -- or in the reduction's own way
-(`Reduction.share_flags`: shm sums them in its shared memory).
+Two ways, one result. Where the last bucket's extra elements arrive summed exactly on every
+rank (an all-reduce sums every element; PowerSGD and TopK send those whole beside their
+own: `Reduction.carries_flags`), each bucket is summed once as it launches, and this rank's
+total, times zero -- 0 if finite, NaN if not, exact in 16 bits too -- rides in an element
+of its own at the end of the last bucket (the others add zero to it): no collective of its
+own, no work per gradient (a tiny model's step is mostly collective latency; a second
+collective was a third of it). A rank whose element comes back NaN is flagged; the
+parameters to name are those whose averaged gradient is not finite: NaN and inf reach the
+average element by element (under TopK, those it selects, and it selects NaN and inf
+first). Elsewhere (ZeRO's reduce-scatter keeps only shards, shm sums slices) each gradient
+is summed as it arrives and the flags travel in a tiny all-reduce of their own, launched
+alongside the last buckets -- or in the reduction's own way (`Reduction.share_flags`: shm
+sums them in its shared memory).
 
 While a LossScaler has scaled a loss and not yet stepped, overflow is its business (fp16's
 agreed skip), so the check stands aside.
@@ -116,9 +117,9 @@ class FiniteCheck:
 
     def launching(self, gradients: torch.Tensor, flags: torch.Tensor | None) -> None:
         """Carried: a bucket is about to launch -- sum its `gradients`. The last one (with
-        its `flags` elements) carries this rank's sum of everything in this rank's own
-        element, which the others leave at zero: after the all-reduce, a rank whose
-        element is not finite had a non-finite gradient (or a sum that overflowed)."""
+        its `flags` elements) carries this rank's sum of everything, times zero, in this
+        rank's own element, which the others leave at zero: after the exchange, a rank
+        whose element is NaN had a non-finite gradient (or a sum that overflowed)."""
         if not self.carried:
             return
         if flags is None:  # an earlier bucket
@@ -128,6 +129,9 @@ class FiniteCheck:
         torch.sum(gradients, dim=0, out=mine)
         for earlier in self._bucket_sums:
             mine.add_(earlier)
+        # Finite -> 0, NaN or inf -> NaN: exact on any wire (a 16-bit one turned a large
+        # finite sum into inf, a false alarm each step); an overflowed sum stays flagged
+        mine.mul_(0)
         self._fill_trailer(flags)
         self._bucket_sums, self._flags = [], flags
 

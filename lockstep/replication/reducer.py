@@ -40,7 +40,7 @@ from lockstep import comm
 from lockstep.comm import timeline
 from lockstep.logs import get_logger
 from lockstep.replication.buckets import MB, ParamSlot, arrival_order, reverse_registration_order
-from lockstep.replication.nonfinite import FiniteCheck
+from lockstep.replication.nonfinite import FiniteCheck, NonFiniteGradientError
 from lockstep.replication.outputs import find_tensors
 from lockstep.replication.reduction import Bucket, Done, Reduction, adopt_gradient
 from lockstep.replication.unused import drop_globally_unused, unused_error
@@ -256,7 +256,11 @@ class Reducer:
             self._launch_in_order()
             flags = self.finite.start()
             self._wait_all()
-            finite = self.finite.finish(flags, self._averaged_finite)  # every rank alike
+            try:
+                finite = self.finite.finish(flags, self._averaged_finite)  # every rank alike
+            except NonFiniteGradientError:  # a caller that catches it and goes on steps
+                self._drop_step()            # nothing of this backward, nor does a
+                raise                        # compressor carry it on
             if self.find_unused:
                 drop_globally_unused(self.params, self._used, emptied, self.group)
             elif unready:

@@ -120,9 +120,10 @@ class Reduction:
     # False: buckets hold this rank's gradients as they are, and `start` averages
     # (DDP's communication hooks expect that; commhook.py).
     prescale = True
-    # Whether every element of a bucket's buffer arrives summed on every rank, so a few
-    # more can ride along: the ranks' non-finite flags travel in the last bucket then,
-    # instead of in a collective of their own (nonfinite.py).
+    # Whether the last bucket's `extra` elements (Bucket.carried) arrive summed exactly on
+    # every rank -- an all-reduce sums every element; a compressor may send them whole
+    # beside its own -- so the ranks' non-finite flags ride there instead of in a
+    # collective of their own (nonfinite.py).
     carries_flags = False
     # Whether `plan` ignores the order it is given (ZeRO's buckets are its shards' layout):
     # then the order gradients arrive in is not learned, nor shared after the first step.
