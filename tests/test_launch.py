@@ -71,6 +71,16 @@ def test_lockstep_run_starts_workers_with_args_and_threads(script: Path,
                      for r in range(2)]
 
 
+def test_an_emulated_hosts_share_of_the_cores_is_what_its_workers_divide(
+        script: Path, tmp_path: Path) -> None:
+    """lockstep cluster sets LOCKSTEP_HOST_CORES: 6 cores over 2 workers, 3 threads each."""
+    result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),
+                    env={"TMPDIR": str(tmp_path), "LOCKSTEP_HOST_CORES": "6"})
+    assert result.returncode == 0, result.stderr
+    assert [line.split(" args")[0].split("threads ")[1] for line in records(result.stdout)] \
+        == ["3", "3"]
+
+
 def test_a_failing_worker_stops_the_job_with_its_traceback(script: Path,
                                                            tmp_path: Path) -> None:
     result = launch(str(BIN / "lockstep"), "run", "-n", "2", str(script),

@@ -51,8 +51,11 @@ class LaunchSpec:
 
 
 def threads_per_worker(nproc: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(1, nproc))
+    """This host's cores shared among its `nproc` workers: the cores this process may run
+    on, or an emulated host's share of them (`lockstep cluster` sets LOCKSTEP_HOST_CORES)."""
+    cores = os.environ.get("LOCKSTEP_HOST_CORES") or (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    return max(1, int(cores or 1) // max(1, nproc))
 
 
 def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:
