@@ -185,10 +185,9 @@ def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> No
     assert "algorithm= is 'auto', 'native' or 'shm'" in refused[1] and "'ring'" in refused[1]
 
 
-def steps_on_one_host(stage: int) -> tuple[list[str], str]:
-    """algorithm="shm": what the second step waited on (the ledger records every
-    collective and host barrier), and the error of the third, whose input holds a NaN on
-    the last rank."""
+def steps_on_one_host(stage: int, algorithm: str = "shm") -> tuple[list[str], str]:
+    """What the second step waited on (the ledger records every collective and host
+    barrier), and the error of the third, whose input holds a NaN on the last rank."""
     from lockstep.comm.ledger import ledger
 
     def issued_since(seen: dict[object, int]) -> list[str]:
@@ -196,7 +195,7 @@ def steps_on_one_host(stage: int) -> tuple[list[str], str]:
                 if n > seen.get(key, 0)]
 
     world = lockstep.init()
-    model = lockstep.shard(make_model("mlp"), stage, algorithm="shm", bucket_mb=0.004,
+    model = lockstep.shard(make_model("mlp"), stage, algorithm=algorithm, bucket_mb=0.004,
                            first_bucket_mb=0.004)
     opt = model.make_optimizer(torch.optim.AdamW, lr=1e-2)
     labels: list[str] = []
@@ -227,6 +226,18 @@ def test_on_one_host_a_step_waits_on_no_socket_and_a_nan_still_stops_it(world2: 
         assert labels and all(label.startswith("ZeRO (shm): ") for label in labels), \
             [label for label in labels if not label.startswith("ZeRO (shm): ")]
         assert sum("before its " in label for label in labels) >= 3  # reduce-scatter/all-reduce
+        assert f"rank {rank}: synchronised backward 3:" in error and "rank(s) [1]" in error
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_over_sockets_stage_1_carries_the_flags_in_its_last_bucket(world2: World,
+                                                                    stage: int) -> None:
+    """Stage 1 all-reduces whole buckets, so the flags ride in the last one (an exchange of
+    their own cost 1 ms a step); stage 2's reduce-scatter sums only shards: they need one.
+    Either way a NaN on one rank stops every rank, naming it."""
+    for rank, (labels, error) in enumerate(world2.run(steps_on_one_host, stage, "native")):
+        exchanges = [label for label in labels if "non-finite gradient flags" in label]
+        assert len(exchanges) == (0 if stage == 1 else 1), labels
         assert f"rank {rank}: synchronised backward 3:" in error and "rank(s) [1]" in error
 
 
