@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from lockstep.elastic import etcd
-from lockstep.tools.cluster import HOST_CORES, Cluster, cluster_available, parse_bandwidth
+from lockstep.launch.run import HOST_CORES
+from lockstep.tools.cluster import Cluster, cluster_available, parse_bandwidth
 from tests import multihost_job
 
 REASON = cluster_available()

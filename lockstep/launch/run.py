@@ -50,12 +50,21 @@ class LaunchSpec:
         return self.nnodes not in ("1", "1:1") or self.rdzv_endpoint is not None
 
 
+HOST_CORES = "LOCKSTEP_HOST_CORES"
+"""The cores a host's workers divide among their threads, in place of the machine's: set
+by `lockstep cluster`, whose emulated hosts share this machine's cores (tools/cluster.py)."""
+
+
+def machine_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        (os.cpu_count() or 1)
+
+
 def threads_per_worker(nproc: int) -> int:
-    """This host's cores shared among its `nproc` workers: the cores this process may run
-    on, or an emulated host's share of them (`lockstep cluster` sets LOCKSTEP_HOST_CORES)."""
-    cores = os.environ.get("LOCKSTEP_HOST_CORES") or (
-        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    return max(1, int(cores or 1) // max(1, nproc))
+    """This host's cores shared among its `nproc` workers."""
+    cores = int(os.environ.get(HOST_CORES) or machine_cores())
+    return max(1, cores // max(1, nproc))
 
 
 def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:

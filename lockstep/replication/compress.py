@@ -317,7 +317,6 @@ class TopK(Compression):
         if extra:
             torch.sum(everyone_v[:, k:], dim=0, out=bucket.carried())
 
-
     def drop_step(self, buckets: Any) -> None:
         """A step dropped for a non-finite gradient: its error feedback holds the NaN too
         (see PowerSGD.drop_step): none is carried on."""

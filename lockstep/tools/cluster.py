@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from lockstep.launch.run import HOST_CORES, machine_cores
 from lockstep.logs import get_logger
 from lockstep.tools.etcd_members import EtcdMembers, Member
 from lockstep.tools.hostprocs import stream_all, wait_all
@@ -87,18 +88,13 @@ def cluster_available() -> str | None:
     return None
 
 
-HOST_CORES = "LOCKSTEP_HOST_CORES"
-"""The cores an emulated host's workers divide among their threads (lockstep run reads it
-in place of the machine's). Every host shares this machine's cores: left to count them
-all, each host's workers ran as many threads as the machine has cores, and on 2 hosts over
-2 cores OpenMP's threads waited on each other -- the char-GPT's forward took 137 ms a step
-instead of 77, and DiLoCo's outer step, 6 ms, was timed at 580."""
-
-
 def host_cores(hosts: int) -> int:
-    """Each of `hosts` emulated hosts' share of this machine's cores (at least one)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // hosts)
+    """Each of `hosts` emulated hosts' share of this machine's cores (at least one): every
+    host shares them, and left to count them all, each host's workers ran as many threads
+    as the machine has cores -- on 2 hosts over 2 cores OpenMP's threads waited on each
+    other: the char-GPT's forward took 137 ms a step instead of 77, and DiLoCo's outer step,
+    6 ms, was timed at 580."""
+    return max(1, machine_cores() // hosts)
 
 
 @dataclass
