@@ -3,10 +3,14 @@ one Chrome trace whose spans nest as a step runs, with the clocks' alignment err
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -240,18 +244,52 @@ class SlowOnRank1(Dataset[Any]):
         return self.inner[index]
 
 
-class BurnOnRank1(nn.Module):
-    """Rank 1 does real extra work in forward (a slower machine)."""
+class Burn(nn.Module):
+    """Real work in forward: on rank 1 alone (a slower model's worth), or on every rank."""
 
-    def __init__(self, inner: nn.Module) -> None:
+    def __init__(self, inner: nn.Module, only_rank_1: bool = True) -> None:
         super().__init__()
         self.inner, self.ballast = inner, torch.randn(160, 160)
+        self.only_rank_1 = only_rank_1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.distributed.get_rank() == 1:
+        if not self.only_rank_1 or torch.distributed.get_rank() == 1:
             for _ in range(40):
                 self.ballast = (self.ballast @ self.ballast).tanh()
         return self.inner(x)
+
+
+DUTY_CYCLE = """
+import os, select, signal, sys
+pid = int(sys.argv[1])
+try:  # half of every 8 ms stopped, until the test closes stdin
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        os.kill(pid, signal.SIGSTOP)
+        select.select([], [], [], 0.004)
+        os.kill(pid, signal.SIGCONT)
+        select.select([], [], [], 0.004)
+finally:
+    os.kill(pid, signal.SIGCONT)
+"""
+
+
+@contextlib.contextmanager
+def rank_1_throttled() -> Iterator[None]:
+    """Rank 1 gets about half the CPU time it would, as a cgroup's CPU quota (cpu.max) gives
+    it: a process stops and continues it every 4 ms. (Pinning it beside a busy neighbour
+    with taskset was no throttle on a loaded machine: the scheduler moved the other load
+    onto the free core, where rank 0 then ran slowest.)"""
+    if torch.distributed.get_rank() != 1:
+        yield
+        return
+    cycler = subprocess.Popen([sys.executable, "-c", DUTY_CYCLE, str(os.getpid())],
+                              stdin=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        assert cycler.stdin is not None
+        cycler.stdin.close()  # (it continues this process once more as it ends)
+        cycler.wait(timeout=60)
 
 
 def run_with_a_planted_straggler(run_dir: str, plant: str) -> list[dict[str, Any]]:
@@ -261,18 +299,22 @@ def run_with_a_planted_straggler(run_dir: str, plant: str) -> list[dict[str, Any
     if plant == "data":
         train_set = SlowOnRank1(train_set)  # type: ignore[assignment]
     elif plant == "compute":
-        model = BurnOnRank1(model)
+        model = Burn(model)
+    elif plant == "throttled":
+        model = Burn(model, only_rank_1=False)
     else:  # a user's callback that takes its time on rank 1, between the steps' phases
         callbacks.append(lambda _: time.sleep(0.03) if torch.distributed.get_rank() == 1
                          else None)
     trainer = lockstep.Trainer(model, sgd, train_set, test_set, callbacks=callbacks,
                                config=config(run_dir, timeline=f"{run_dir}/t.json"))
-    trainer.fit()
+    with rank_1_throttled() if plant == "throttled" else contextlib.nullcontext():
+        trainer.fit()
     return [r for r in read_metrics(Path(run_dir)) if r["kind"] in ("timeline", "straggler")]
 
 
 @pytest.mark.parametrize("plant, cause", [
     ("data", "its data loading"), ("compute", "its compute (forward)"),
+    ("throttled", "its compute (forward)"),
     ("callback", "its own code between steps (callbacks, logging)")])
 def test_a_planted_straggler_is_named_with_its_cause_within_three_windows(
         world2: World, tmp_path: Path, plant: str, cause: str) -> None:
