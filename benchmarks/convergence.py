@@ -85,6 +85,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-20": _streaming(20),
     "Streaming-20-int4": _streaming(20, int4=True),
     "Streaming-10-int4": _streaming(10, int4=True),
+    # overlap 1 instead of 2: not the lever at 4 workers over one epoch (+3.7%, as overlap 2)
     "Streaming-10-int4-o1": _streaming(10, int4=True, overlap=1),
     "Streaming-10-int4-a.75": _streaming(10, int4=True, mixing=0.75),
     "Streaming-5-int4": _streaming(5, int4=True, overlap=1),
