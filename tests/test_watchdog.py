@@ -448,36 +448,49 @@ def test_a_rank_that_was_itself_paused_is_told_so_not_that_the_transport_is_stuc
     assert _paused_for("Connection closed by peer", 30.0) is None
 
 
-def wait_on_a_peer_that_left_alive(flags: str) -> tuple[str, float] | None:
-    """Rank 1 all-reduces; rank 0 never joins it and says (a file) it left. Rank 1's wait
-    asks the check each second and gives up with its reason; rank 0 then completes the
-    abandoned collective, so that the world stays in step for the next check."""
+def wait_on_a_peer_that_left_alive(flags: str, kind: str) -> tuple[str, float] | None:
+    """Rank 1 all-reduces (or waits at a barrier in host memory: `kind` "shm"); rank 0
+    never joins it, alive, and says (a file) it left. Rank 1's wait asks the check each
+    second and gives up with its reason; rank 0 then completes the abandoned all-reduce,
+    so that the world stays in step for the next check."""
+    from lockstep.comm.shm import HostBarrier, HostMemory
+
     rank, left, gave_up = lockstep.init().rank, Path(flags) / "left", Path(flags) / "gave-up"
+    barrier = HostBarrier(HostMemory(None), timeout_s=60.0) if kind == "shm" else None
     if rank == 0:
         left.touch()
         while not gave_up.exists():
             time.sleep(0.01)
-        comm.all_reduce(torch.ones(1), "the abandoned collective, completed")
-        comm.barrier("after the abandoned collective")
+        if barrier is None:
+            comm.all_reduce(torch.ones(1), "the abandoned collective, completed")
+        comm.barrier("after the abandoned wait")
         return None
     waits.watch(lambda: "rank 0 left for the next membership" if left.exists() else None)
     started = time.monotonic()
     try:
-        comm.all_reduce(torch.ones(1), "an all-reduce rank 0 never joins")
+        if barrier is not None:
+            barrier.wait("a host barrier rank 0 never reaches")
+        else:
+            comm.all_reduce(torch.ones(1), "an all-reduce rank 0 never joins")
     except CollectiveError as error:
         return str(error), time.monotonic() - started
     finally:
         waits.watch(None)
         gave_up.touch()
-        comm.barrier("after the abandoned collective")
+        comm.barrier("after the abandoned wait")
     return None
 
 
+@pytest.mark.parametrize("kind", ["native", "shm"])
 def test_a_wait_on_a_peer_that_left_alive_is_given_up_with_the_reason(
-        world2: World, tmp_path: Path) -> None:
+        world2: World, tmp_path: Path, kind: str) -> None:
     """A fault-tolerant job's member that left its group alive keeps its connections open:
-    a peer waiting on it waited out the collective's timeout (15 s by default) before."""
-    _, (message, waited) = world2.run(wait_on_a_peer_that_left_alive, str(tmp_path))
-    assert message.startswith("rank 1: an all-reduce rank 0 never joins given up after ")
+    a peer waiting on it waited out the collective's timeout (15 s by default) before. On
+    one host the job sums through shared memory, where such a member's flag never moves
+    and its process lives: there too the barrier used to wait out its whole timeout."""
+    _, (message, waited) = world2.run(wait_on_a_peer_that_left_alive, str(tmp_path), kind)
+    waited_for = "a host barrier rank 0 never reaches" if kind == "shm" else \
+        "an all-reduce rank 0 never joins"
+    assert message.startswith(f"rank 1: {waited_for} given up after ")
     assert message.endswith(": rank 0 left for the next membership")
     assert waited < 5.0

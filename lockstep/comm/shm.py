@@ -17,7 +17,7 @@ import weakref
 import torch
 
 from lockstep import comm
-from lockstep.comm import timeline
+from lockstep.comm import timeline, waits
 from lockstep.comm.diagnostics import explain_stall
 from lockstep.comm.failures import timed_out
 from lockstep.comm.ledger import Record, ledger
@@ -157,7 +157,7 @@ class HostBarrier:
         started, spins = time.monotonic(), 0
         # The stall watchdog sees this wait as it sees any collective's (ledger.py).
         record = ledger.issue(what, self.memory.group)
-        look_at = started + LOOK_EVERY_S
+        look_at, ask_at = started + LOOK_EVERY_S, started + waits.SLICE.total_seconds()
         while any(flag[0] < self.generation for flag in self.flags):
             spins += 1
             if spins < 2000:
@@ -168,6 +168,9 @@ class HostBarrier:
                 if not self._still_late(what, now - started, record):
                     break  # (those that left had reached it first)
                 look_at = now + LOOK_EVERY_S
+            if now >= ask_at:  # as a backend's collective is given up (comm/waits.py)
+                self._give_up_if_left(what, now - started, record)
+                ask_at = now + waits.SLICE.total_seconds()
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
         ledger.launched(record, None)
 
@@ -177,6 +180,16 @@ class HostBarrier:
         timeout -- and before a launcher that saw this process end stops it."""
         if self.spin:  # negative: left, having reached generation -flag - 1
             self.flags[self.memory.local_rank][0] = -self.generation - 1
+
+    def _give_up_if_left(self, what: str, waited: float, record: Record | None) -> None:
+        """Fail if a fault-tolerant job's check says a late peer left this group alive, for
+        the next membership (comm/waits.py): its flag would never move, and its process
+        lives on, so only the check tells -- where it would otherwise be waited out."""
+        reason = waits.reason_to_give_up()
+        if reason is not None:
+            ledger.launched(record, None)
+            raise comm.CollectiveError(f"rank {comm.rank_of()}: {what} given up after "
+                                       f"{waited:.1f}s: {reason}")
 
     def _still_late(self, what: str, waited: float, record: Record | None) -> bool:
         """Whether some peer has not reached this barrier yet. Fail once the timeout has

@@ -40,6 +40,14 @@ def watch(check: Callable[[], str | None] | None) -> None:
     _check = check
 
 
+def reason_to_give_up() -> str | None:
+    """The check's answer now: why waiting is of no use, or None (no check is set, or it
+    still is). For waits that are no backend's work -- a barrier in host memory
+    (comm/shm.py) -- which ask it themselves once a slice."""
+    check = _check
+    return None if check is None else check()
+
+
 def wait(work: dist.Work, what: str, started: float, record: Record | None) -> None:
     """`work.wait()`, given up -- Abandoned, naming `what` and the reason -- once the check
     says waiting is of no use."""

@@ -24,9 +24,9 @@ ALGORITHMS = ("auto", "native", "ring", "tree", "shm", "hierarchical")
 
 FAULT_TOLERANT: ContextVar[bool] = ContextVar("lockstep_fault_tolerant", default=False)
 """Whether the wrapper built now is a fault-tolerant job's (Elastic sets it around the
-`wrap` it is given): "auto" then takes the backend's collectives, on which Elastic's
-failure detection was built and measured, and ZeRO mirrors each rank's shard on the next
-(mirror=None) without being told."""
+`wrap` it is given): ZeRO then mirrors each rank's shard on the next (mirror=None) without
+being told. (DataParallel's "auto" picks as in any job: shm's barriers fail at once when a
+peer dies or leaves, and give up as the backend's waits do when one left the group alive.)"""
 
 
 @contextlib.contextmanager
@@ -44,13 +44,14 @@ def resolve_algorithm(requested: str, compress: Any, group: comm.Group,
     shares one host's memory on CPU and nothing asks for a network -- as NCCL carries a
     node's traffic through shared memory, not its sockets: a Gloo all-reduce of a few
     floats takes ~1.4 ms on this machine, a flag in shared memory 0.5 us -- and "native"
-    (the backend's all-reduce) wherever a wire is compressed, the job is fault-tolerant, a
-    process group is given, the ranks span hosts, the parameters live on `device` other
-    than the CPU, or the host forbids mapping a peer's memory. Collective (one all-gather)
-    unless the job's settings alone say native, so every rank picks alike."""
+    (the backend's all-reduce) wherever a wire is compressed, a process group is given,
+    the ranks span hosts, the parameters live on `device` other than the CPU, or the host
+    forbids mapping a peer's memory. Collective (one all-gather) unless the job's settings
+    alone say native, so every rank picks alike. Under lockstep.Elastic each membership's
+    wrapper picks again: a job down to one host's workers takes shm from its next regroup."""
     if requested != "auto":
         return requested
-    if compress is not None or FAULT_TOLERANT.get() or group is not None \
+    if compress is not None or group is not None \
             or comm.size_of(group) == 1:  # the job's settings: the same on every rank
         return "native"
     eligible = why_not_host_memory(group, "buckets") is None and \
