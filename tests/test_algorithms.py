@@ -175,7 +175,7 @@ def replica_default_algorithms() -> list[object]:
 
     wrap().close()
     wrap(compress="bf16").close()
-    with fault_tolerant():  # as Elastic builds it: no memory shared between ranks' fates
+    with fault_tolerant():  # as Elastic builds it: shm too, where the job is on one host
         wrap().close()
     wrap(process_group=torch.distributed.group.WORLD).close()  # DDP's keyword, all ranks
     # Parameters off the CPU on one rank only: every rank still picks alike (no hang)
@@ -196,12 +196,12 @@ def replica_default_algorithms() -> list[object]:
 def test_data_parallel_reduces_through_host_memory_by_default_where_the_ranks_share_one(
         world2: World, two_hosts: World) -> None:
     """DataParallel's algorithm="auto", as ZeRO's: shm where every rank is on one host's
-    CPU, native where a wire is compressed, the job is fault-tolerant, a process group is
-    given, a rank's parameters are off the CPU (every rank then picks native), or the job
-    spans hosts. A DDP comm hook replaces auto's choice (with DDP's 25 MB bucket cap), not
-    the user's."""
+    CPU -- a fault-tolerant job's too -- native where a wire is compressed, a process group
+    is given, a rank's parameters are off the CPU (every rank then picks native), or the
+    job spans hosts. A DDP comm hook replaces auto's choice (with DDP's 25 MB bucket cap),
+    not the user's."""
     for picked in world2.run(replica_default_algorithms):
-        assert picked[:7] == ["shm", "native", "native", "native", "native", "comm hook",
+        assert picked[:7] == ["shm", "native", "shm", "native", "native", "comm hook",
                               [2.0, 10.0]], picked
         assert "already has a way (shm" in str(picked[-1]), picked
     for picked in two_hosts.run(replica_default_algorithms):

@@ -58,18 +58,19 @@ def peers_mappable(group: comm.Group, eligible: bool = True) -> bool:
     Collective on every rank whatever its own answer, so all of them choose alike."""
     fd = os.memfd_create("lockstep-probe", os.MFD_CLOEXEC)
     try:
-        token = os.urandom(16)
-        os.write(fd, token)
-        peers = comm.all_gather_object((os.getpid(), fd, token, eligible),
-                                       "shm: may peers map each other", group)
+        token = int.from_bytes(os.urandom(7), "little")  # (fits an int64)
+        os.write(fd, token.to_bytes(7, "little"))
+        peers = comm.all_gather_ints((os.getpid(), fd, token, eligible),
+                                     "shm: may peers map each other", group)
         opened = all(ok for _, _, _, ok in peers)
         for pid, peer_fd, peer_token, _ in peers if opened else []:
             try:
                 with open(f"/proc/{pid}/fd/{peer_fd}", "rb") as f:
-                    opened = opened and f.read(len(peer_token)) == peer_token
+                    opened = opened and f.read(7) == peer_token.to_bytes(7, "little")
             except OSError:
                 opened = False
-        return all(comm.all_gather_object(opened, "shm: did every rank map its peers", group))
+        every = comm.all_gather_ints((opened,), "shm: did every rank map its peers", group)
+        return all(ok for (ok,) in every)
     finally:
         os.close(fd)
 
@@ -84,7 +85,8 @@ class HostMemory:
             raise RuntimeError(f"rank {comm.rank_of()}: {reason}")
         self.group = group
         self.local_rank = comm.rank_of(group)
-        self.pids = comm.all_gather_object(os.getpid(), "shm: exchange process ids", group)
+        self.pids = [pid for (pid,) in comm.all_gather_ints((os.getpid(),),
+                                                            "shm: exchange process ids", group)]
         self.count = 0
         self.peers: list[weakref.ref[torch.Tensor]] = []  # their memory (peers_storages)
 
@@ -96,7 +98,8 @@ class HostMemory:
         self.count += 1
         try:
             os.ftruncate(fd, nbytes)  # fresh pages read as zeros
-            fds = comm.all_gather_object(fd, "shm: exchange bucket files", self.group)
+            fds = [peer for (peer,) in comm.all_gather_ints((fd,), "shm: exchange bucket files",
+                                                            self.group)]
             views = [torch.from_file(f"/proc/{pid}/fd/{peer_fd}", shared=True, size=numel,
                                      dtype=dtype) for pid, peer_fd in zip(self.pids, fds,
                                                                           strict=True)]

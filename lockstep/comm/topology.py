@@ -70,7 +70,10 @@ class Topology:
         """Create the groups. Collective: every rank calls it with the same layout."""
         check_layout(world_size, local_world_size)
         topo = cls(rank, world_size, local_world_size)
-        for host in range(topo.hosts):  # every rank creates every group, in one order
+        # Every rank creates every group, in one order. On one host the job's own group
+        # is the host's: a group of its own would cost a wrapper (built anew for each of
+        # Elastic's memberships) a group's making and its connecting barrier.
+        for host in range(topo.hosts if topo.hosts > 1 else 0):
             group = comm.new_group(ranks_on_host(host, local_world_size))
             if host == topo.host:
                 topo.local_group = group
