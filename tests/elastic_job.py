@@ -103,6 +103,35 @@ def die_handing_over(job: Elastic) -> None:
     regroup.hand_over = hand_over
 
 
+def pieces_one_peer_completes(job: Elastic, log: Any) -> None:
+    """Two pieces of collective work between steps. In the first, worker 1 sends to rank 0
+    alone and dies: rank 0 completes it and goes on to the second, the others fail in the
+    first. Done again without worker 1, the first is an all-reduce of 5 numbers, the second
+    one of 3: if a member did the first again while another did the second, Gloo would
+    abort the process (the sizes differ)."""
+    def first() -> str:
+        m = job.membership
+        if 1 not in m.ids:
+            comm.all_reduce(torch.ones(5, dtype=torch.float64), "the first piece, again")
+            return "again"
+        token = torch.zeros(1, dtype=torch.float64)
+        if m.me == 1:
+            comm.send(token, 0, "the first piece: to rank 0 alone")
+            time.sleep(0.3)  # (delivered before the connection goes)
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.recv(token, m.ids.index(1), "the first piece: from worker 1")
+        return "done"
+
+    def second() -> str:
+        comm.all_reduce(torch.ones(3, dtype=torch.float64), "the second piece")
+        return "done"
+
+    for name, piece in (("first", first), ("second", second)):
+        got = job.collective(piece, skipped="skipped")
+        log.write(json.dumps({"piece": name, "got": got, "worker": job.coordinator.id}) + "\n")
+        log.flush()
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=60)
@@ -123,6 +152,9 @@ def main() -> None:
                    "optimizer (refused: it cannot be rebuilt over the shards)")
     p.add_argument("--die-handing-over", action="store_true", help="rank 0 is killed as it "
                    "begins to hand its state to a joiner (die_handing_over)")
+    p.add_argument("--pieces-at", type=int, default=-1, help="after this step, two pieces "
+                   "of collective work that only rank 0 completes the first of "
+                   "(pieces_one_peer_completes)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     x, y = data()
@@ -171,6 +203,8 @@ def main() -> None:
 
     while job.step < args.steps:
         job.run_step(train_step)
+        if job.step == args.pieces_at:
+            pieces_one_peer_completes(job, log)
     if hasattr(job.model, "finish"):
         job.model.finish()
     mse = job.collective(lambda: evaluate(job, x, y))

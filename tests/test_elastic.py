@@ -537,6 +537,36 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path, algorithm: str
     assert died in stderr and "did not reach it" not in stderr
 
 
+def test_work_a_dead_peer_completed_with_some_members_is_not_done_again_by_the_rest(
+        tmp_path: Path) -> None:
+    """Two pieces of collective work after step 6; worker 1 dies in the first having sent
+    to rank 0 alone. Rank 0 went on to the second; the other survivor must not do the first
+    again while rank 0 does the second (the Trainer's window report then its link probe, in
+    a CI run: Gloo aborted rank 0 on the mismatched sizes, SIGABRT)."""
+    steps = 12
+    launcher = _launch(tmp_path, free_port(), 3, ["--steps", str(steps), "--pieces-at", "6"],
+                       "launcher.log")
+    try:
+        assert launcher.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    records = _records(tmp_path)
+    finals = [r for r in records if r.get("final")]
+    assert sorted(f["worker"] for f in finals) == [0, 2] and all(f["step"] == steps
+                                                                for f in finals)
+    pieces = {(r["worker"], r["piece"]): r["got"] for r in records if "piece" in r}
+    assert pieces == {(0, "first"): "done", (0, "second"): "done",
+                      (2, "first"): "skipped", (2, "second"): "done"}, pieces
+    for final in finals:
+        for got, want in zip(final["params"], _reference(steps, 12), strict=True):
+            torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want,
+                                       rtol=1e-9, atol=1e-11)
+    log = (tmp_path / "launcher.log").read_text()
+    assert "collective work after step 6 was completed by members that went on" in log
+    assert "SIGABRT" not in log
+
+
 def test_diloco_loses_and_regains_a_worker_between_rounds(tmp_path: Path) -> None:
     """DiLoCo (rounds of 4 steps), 2 workers: the survivor finishes the round without the
     dead one (whose share of the round is lost with it); the joiner is let in only at a

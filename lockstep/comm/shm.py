@@ -100,14 +100,28 @@ class HostMemory:
             os.ftruncate(fd, nbytes)  # fresh pages read as zeros
             fds = [peer for (peer,) in comm.all_gather_ints((fd,), "shm: exchange bucket files",
                                                             self.group)]
-            views = [torch.from_file(f"/proc/{pid}/fd/{peer_fd}", shared=True, size=numel,
-                                     dtype=dtype) for pid, peer_fd in zip(self.pids, fds,
-                                                                          strict=True)]
+            views = [self._map(pid, peer_fd, numel, dtype)
+                     for pid, peer_fd in zip(self.pids, fds, strict=True)]
             comm.barrier("shm: every rank has mapped the new bucket", self.group)
         finally:
             os.close(fd)  # the mappings keep the memory; no name, nothing to clean up
         self.peers += [weakref.ref(view) for r, view in enumerate(views) if r != self.local_rank]
         return views
+
+
+    def _map(self, pid: int, fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A peer's memory file, mapped. A peer that died (or failed) between the exchange
+        and now has closed it: said as a collective's failure, so that lockstep.Elastic
+        regroups rather than ends the job."""
+        try:
+            return torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=numel,
+                                   dtype=dtype)
+        except (OSError, RuntimeError) as error:
+            local = self.pids.index(pid)
+            raise comm.CollectiveError(
+                f"rank {comm.rank_of()}: shm: mapping local rank {local}'s memory (pid {pid}) "
+                f"failed -- it exited or failed while the host's ranks set up: "
+                f"{str(error).splitlines()[0]}") from None
 
 
 def peers_storages() -> set[int]:

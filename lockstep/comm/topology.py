@@ -66,14 +66,20 @@ class Topology:
         return host_of(self.rank, self.local_world_size)
 
     @classmethod
-    def build(cls, rank: int, world_size: int, local_world_size: int) -> Topology:
-        """Create the groups. Collective: every rank calls it with the same layout."""
+    def build(cls, rank: int, world_size: int, local_world_size: int,
+              host_only: bool = False) -> Topology:
+        """Create the groups. Collective: every rank calls it with the same layout.
+
+        `host_only`: the caller works inside one host and issues its collectives from one
+        thread (shm): there the job's own group is the host's, and no group is made -- each
+        one would cost a wrapper, built anew for every membership of lockstep.Elastic, its
+        making and its connecting barrier. (Hierarchical keeps groups of its own: its
+        worker thread waits at the host's barriers while the main thread uses the job's.)"""
         check_layout(world_size, local_world_size)
         topo = cls(rank, world_size, local_world_size)
-        # Every rank creates every group, in one order. On one host the job's own group
-        # is the host's: a group of its own would cost a wrapper (built anew for each of
-        # Elastic's memberships) a group's making and its connecting barrier.
-        for host in range(topo.hosts if topo.hosts > 1 else 0):
+        if host_only and topo.hosts == 1:
+            return topo  # local_group None: the job's group; no cross-host leg
+        for host in range(topo.hosts):  # every rank creates every group, in one order
             group = comm.new_group(ranks_on_host(host, local_world_size))
             if host == topo.host:
                 topo.local_group = group

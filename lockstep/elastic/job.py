@@ -129,6 +129,7 @@ class Elastic(Regrouping):
                                        terms_of(module, optimizer, agree))
         self.drift: DriftCheck | None = None
         self._target = 0  # the step the current run_step commits
+        self._units = 0  # pieces of `collective` work completed since the last commit
         self._rejoined_at = -1  # left out, it was let in again at this step, not yet trained
         self._received = False  # this worker was brought level from a peer
         self._held: recovery.Held | None = None  # ZeRO: shards kept through a regroup
@@ -240,18 +241,30 @@ class Elastic(Regrouping):
         until it is trained again. A worker let in again skips every such piece of work
         until it has trained the step it was let in at: the others, admitting it at their
         next step's start, had done the work of the steps before it (the rest of the
-        step it was left out in: its checkpoint, the epoch's evaluation)."""
+        step it was left out in: its checkpoint, the epoch's evaluation). And it returns
+        `skipped` when a peer that died during it had completed it with some members: those
+        went on to the next piece, and the members agree (Membership.units) that it is done
+        rather than have some do it again while the others do the next -- two different
+        collectives, which Gloo aborts the process for."""
         at = self.step
         if at == self._rejoined_at:  # let in again at this step after the others had done
             return skipped           # all the work before it -- an epoch's end too
         while self.step >= self.reached:
             failure: Exception | None = None
             try:
-                return fn()
+                value = fn()
+                self._units += 1
+                return value
             except Exception as error:
                 failure = error
             self._handle(failure)
             if self.step == self._rejoined_at:  # left out during it, and let in again
+                return skipped
+            if self.step == self._current().step and self._units < self._current().units:
+                self._units += 1  # completed by the members that went past it
+                log.warning("rank %d: collective work after step %d was completed by "
+                            "members that went on to the next; not done again here",
+                            self.world.rank, self.step)
                 return skipped
         return skipped
 
@@ -271,6 +284,7 @@ class Elastic(Regrouping):
         self.step += 1
         self.reached = max(self.reached, self.step)
         self._rejoined_at = -1
+        self._units = 0
         self._phase = 0
         # Between steps (an evaluation, a checkpoint) nothing is stepped yet either: a
         # regroup there must not read the step just committed as one in progress

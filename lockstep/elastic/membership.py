@@ -47,6 +47,9 @@ class Candidate:
     """Its rank in the previous epoch; None for a joiner."""
     shards: dict[str, Any] | None = field(default=None, compare=False, hash=False)
     """ZeRO: the shards it holds at which steps (sharding/recovery.Held.shards)."""
+    units: int = 0
+    """Pieces of collective work between steps (Elastic.collective) it completed after
+    its last step."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,11 @@ class Membership:
     joined: tuple[int, ...] = ()
     lost: tuple[tuple[int, str, int], ...] = ()
     """Members of the previous epoch that are gone: (id, host, pid)."""
+    units: int = 0
+    """The most pieces of collective work after `step` that a member at `step` completed:
+    one piece can complete on some members and fail on others (a peer died after sending
+    to some of them), and those go past it, where the rest would do it again -- two
+    different collectives, which Gloo aborts the process for (Elastic.collective)."""
     me: int = -1
     """This worker's id (the only field that differs between members)."""
 
@@ -89,14 +97,15 @@ class Membership:
         return json.dumps({"epoch": self.epoch, "ids": self.ids, "hosts": self.hosts,
                            "pids": self.pids, "step": self.step,
                            "behind": sorted(self.behind), "joined": self.joined,
-                           "lost": self.lost})
+                           "lost": self.lost, "units": self.units})
 
     @classmethod
     def from_json(cls, text: str | bytes, me: int) -> Membership:
         d = json.loads(text)
         return cls(int(d["epoch"]), tuple(d["ids"]), tuple(d["hosts"]), tuple(d["pids"]),
                    int(d["step"]), frozenset(d["behind"]), tuple(d["joined"]),
-                   tuple((int(i), str(h), int(p)) for i, h, p in d["lost"]), me)
+                   tuple((int(i), str(h), int(p)) for i, h, p in d["lost"]),
+                   int(d.get("units", 0)), me)
 
     def name(self, worker: int) -> str:
         """How a user can find a member: its id, pid and host."""
@@ -126,10 +135,11 @@ def decide(epoch: int, present: list[Candidate], lost: list[Candidate]) -> Membe
     members = sorted(ordered, key=lambda c: (hosts.index(c.host), c is not source,
                                              _seniority(c)))
     behind = frozenset(c.id for c in members if c.step != step)
+    units = max((c.units for c in members if c.step == step), default=0)
     return Membership(epoch, tuple(c.id for c in members), tuple(c.host for c in members),
                       tuple(c.pid for c in members), step, behind,
                       tuple(c.id for c in members if c.rank is None),
-                      tuple((c.id, c.host, c.pid) for c in lost))
+                      tuple((c.id, c.host, c.pid) for c in lost), units)
 
 
 def _recoverable(present: list[Candidate], step: int) -> int:

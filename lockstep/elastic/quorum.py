@@ -258,14 +258,15 @@ class Coordinator:
     # ---- regrouping ---------------------------------------------------------------------
 
     def regroup(self, current: Membership, step: int, planned: bool,
-                shards: dict[str, Any] | None = None) -> Membership:
+                shards: dict[str, Any] | None = None, units: int = 0) -> Membership:
         """The next membership, agreed with every live member of `current`: after a
         failure (`planned=False`), or at the step boundary set for joiners (`planned`,
         which admits them). `shards`: under ZeRO, which shards this worker holds at which
-        steps. Raises Excluded if the others went on without this worker."""
+        steps; `units`: the pieces of collective work it completed after `step`. Raises
+        Excluded if the others went on without this worker."""
         epoch = max(current.epoch, self.latest) + 1  # past any epoch decided since
         while True:
-            decided = self._quorum(epoch, current, step, planned, shards)
+            decided = self._quorum(epoch, current, step, planned, shards, units)
             if decided is None:  # its leader died before deciding
                 epoch += 1
                 continue
@@ -274,14 +275,14 @@ class Coordinator:
                                "(it was silent too long)")
             return decided
 
-    def _quorum(self, epoch: int, current: Membership | None, step: int,
-                planned: bool, shards: dict[str, Any] | None = None) -> Membership | None:
+    def _quorum(self, epoch: int, current: Membership | None, step: int, planned: bool,
+                shards: dict[str, Any] | None = None, units: int = 0) -> Membership | None:
         key = f"members/{epoch}"
         if not self.store.check([key]):
             rank = current.rank if current is not None else None
             self.store.set(f"q/{epoch}/in/{self.id}", json.dumps(
                 {"step": step, "host": self.host, "rank": rank, "pid": os.getpid(),
-                 "shards": shards}))
+                 "shards": shards, "units": units}))
             if int(self.store.add(f"q/{epoch}/n", 1)) == 1:
                 self.store.set(f"q/{epoch}/leader", str(self.id))
                 decision = self._lead(epoch, current, planned)
@@ -341,7 +342,8 @@ class Coordinator:
                 if info is not None:
                     registered[worker] = Candidate(worker, info["host"], info["pid"],
                                                    info["step"], info["rank"],
-                                                   info.get("shards"))
+                                                   info.get("shards"),
+                                                   int(info.get("units", 0)))
                 elif liveness.observe(worker) == "dead" or time.monotonic() > give_up:
                     gone.add(worker)
             for worker in joiners:  # (ready: it said so since this quorum began)

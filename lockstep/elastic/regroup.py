@@ -81,7 +81,7 @@ class Regrouping:
         try:
             membership = self.coordinator.regroup(
                 previous, self.step, planned,
-                None if self._held is None else self._held.shards())
+                None if self._held is None else self._held.shards(), self._units)
         except Excluded as error:
             log.warning("%s; joining again", error)  # (it names the worker)
             self._admit(self.coordinator.wait_admitted(), rewrap=True, started=started)
@@ -167,6 +167,8 @@ class Regrouping:
                         "that had not completed it lost the only other copy of its ZeRO shard "
                         "with the worker that died; training again from step %d",
                         self.coordinator.id, self.step - 1, membership.step)
+        if self.step != membership.step:  # brought level, or a step taken back: no work
+            self._units = 0                # after the step it is at yet
         self.step = membership.step
         self._shards_at = None
         self.reached = max(self.reached, self.step)

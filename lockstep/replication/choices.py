@@ -51,8 +51,8 @@ def resolve_algorithm(requested: str, compress: Any, group: comm.Group,
     wrapper picks again: a job down to one host's workers takes shm from its next regroup."""
     if requested != "auto":
         return requested
-    if compress is not None or group is not None \
-            or comm.size_of(group) == 1:  # the job's settings: the same on every rank
+    if compress is not None or group is not None or comm.size_of(group) == 1 \
+            or current().num_hosts > 1:  # the job's settings: the same on every rank
         return "native"
     eligible = why_not_host_memory(group, "buckets") is None and \
         (device is None or device.type == "cpu")
@@ -103,7 +103,8 @@ def make_algorithm(name: str, group: comm.Group, local_world_size: int,
         raise ValueError(f"rank {comm.rank_of()}: shm reduces within one host, and this job "
                          f"spans {hosts}; use algorithm='hierarchical' (shm inside hosts, the "
                          "network between them)")
-    topology = Topology.build(comm.rank_of(), comm.size_of(), local_world_size)
+    topology = Topology.build(comm.rank_of(), comm.size_of(), local_world_size,
+                              host_only=name == "shm")
     timeout_s = current().timeout.total_seconds()
     if name == "shm":
         return SharedMemory(topology, timeout_s)
