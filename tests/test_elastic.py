@@ -58,6 +58,17 @@ def test_decide_puts_the_newest_state_first_and_groups_hosts() -> None:
     assert "4 -> 4 workers, continuing at step 8 (regrouped in 1.2s)" in text
 
 
+def test_the_pieces_of_work_done_are_the_most_a_member_at_the_step_completed() -> None:
+    """A member behind (step 7) does not count, however many pieces it did after its step;
+    the membership carries the count through the store's JSON."""
+    present = [Candidate(0, "a", 10, step=8, rank=0, units=0),
+               Candidate(1, "a", 11, step=8, rank=1, units=1),
+               Candidate(2, "a", 12, step=7, rank=2, units=3)]
+    m = decide(2, present, [])
+    assert m.units == 1 and Membership.from_json(m.to_json(), me=0).units == 1
+    assert decide(3, [Candidate(4, "a", 14)], []).units == 0  # a joiner alone
+
+
 def test_zero_goes_back_a_step_when_a_shard_at_the_newest_died_with_its_holders() -> None:
     # Old ranks 0, 1, 2 of 3; rank 1 died. Rank 0 had completed step 8 (its state before
     # it kept); rank 2 was still in it. Shard 2 lived on ranks 2 and 1 (the mirror): at
