@@ -108,7 +108,6 @@ class HostMemory:
         self.peers += [weakref.ref(view) for r, view in enumerate(views) if r != self.local_rank]
         return views
 
-
     def _map(self, pid: int, fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A peer's memory file, mapped. A peer that died (or failed) between the exchange
         and now has closed it: said as a collective's failure, so that lockstep.Elastic
