@@ -185,7 +185,10 @@ class HostBarrier:
                     break  # (those that left had reached it first)
                 look_at = now + LOOK_EVERY_S
             if now >= ask_at:  # as a backend's collective is given up (comm/waits.py)
-                self._give_up_if_left(what, now - started, record)
+                try:
+                    waits.give_up_if_told(what, started, record)
+                except waits.Abandoned as error:  # (it says why, as Pending.wait's)
+                    raise comm.CollectiveError(str(error)) from None
                 ask_at = now + waits.SLICE.total_seconds()
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
         ledger.launched(record, None)
@@ -196,16 +199,6 @@ class HostBarrier:
         timeout -- and before a launcher that saw this process end stops it."""
         if self.spin:  # negative: left, having reached generation -flag - 1
             self.flags[self.memory.local_rank][0] = -self.generation - 1
-
-    def _give_up_if_left(self, what: str, waited: float, record: Record | None) -> None:
-        """Fail if a fault-tolerant job's check says a late peer left this group alive, for
-        the next membership (comm/waits.py): its flag would never move, and its process
-        lives on, so only the check tells -- where it would otherwise be waited out."""
-        reason = waits.reason_to_give_up()
-        if reason is not None:
-            ledger.launched(record, None)
-            raise comm.CollectiveError(f"rank {comm.rank_of()}: {what} given up after "
-                                       f"{waited:.1f}s: {reason}")
 
     def _still_late(self, what: str, waited: float, record: Record | None) -> bool:
         """Whether some peer has not reached this barrier yet. Fail once the timeout has

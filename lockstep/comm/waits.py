@@ -40,12 +40,17 @@ def watch(check: Callable[[], str | None] | None) -> None:
     _check = check
 
 
-def reason_to_give_up() -> str | None:
-    """The check's answer now: why waiting is of no use, or None (no check is set, or it
-    still is). For waits that are no backend's work -- a barrier in host memory
-    (comm/shm.py) -- which ask it themselves once a slice."""
+def give_up_if_told(what: str, started: float, record: Record | None) -> None:
+    """Raise Abandoned -- naming `what` and the check's reason -- if the check says waiting
+    is of no use; else return. Asked each slice by `wait`, and by waits that are no
+    backend's work (a barrier in host memory, comm/shm.py)."""
     check = _check
-    return None if check is None else check()
+    reason = None if check is None else check()
+    if reason is not None:
+        if record is not None:
+            record.done = True
+        raise Abandoned(f"rank {dist.get_rank()}: {what} given up after "
+                        f"{time.monotonic() - started:.1f}s: {reason}")
 
 
 def wait(work: dist.Work, what: str, started: float, record: Record | None) -> None:
@@ -65,9 +70,4 @@ def wait(work: dist.Work, what: str, started: float, record: Record | None) -> N
         if work.is_completed():  # meanwhile: its own outcome (a failure raises here)
             work.wait()
             return
-        reason = check()
-        if reason is not None:
-            if record is not None:
-                record.done = True
-            raise Abandoned(f"rank {dist.get_rank()}: {what} given up after "
-                            f"{time.monotonic() - started:.1f}s: {reason}")
+        give_up_if_told(what, started, record)
