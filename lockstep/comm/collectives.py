@@ -181,8 +181,8 @@ def all_gather_ints(values: Sequence[int], what: str, group: Group = None) -> li
     """Every rank's `values` (as many on every rank), in rank order: one all-gather of a
     small tensor, where all_gather_object pickles and makes two (its sizes, then its
     bytes) -- a few milliseconds apiece that a wrapper's setup pays several times."""
-    mine = torch.tensor(list(values), dtype=torch.int64, device=device_of(group))
-    every = torch.empty(size_of(group) * len(mine), dtype=torch.int64, device=mine.device)
+    mine = control_tensor(values, group, torch.int64)
+    every = mine.new_empty(size_of(group) * len(mine))
     all_gather_into(every, mine, what, group)
     return every.view(size_of(group), len(mine)).tolist()
 
