@@ -451,8 +451,9 @@ def test_a_rank_that_was_itself_paused_is_told_so_not_that_the_transport_is_stuc
 def wait_on_a_peer_that_left_alive(flags: str, kind: str) -> tuple[str, float] | None:
     """Rank 1 all-reduces (or waits at a barrier in host memory: `kind` "shm"); rank 0
     never joins it, alive, and says (a file) it left. Rank 1's wait asks the check each
-    second and gives up with its reason; rank 0 then completes the abandoned all-reduce,
-    so that the world stays in step for the next check."""
+    second and gives up with its reason; rank 0 then completes the abandoned all-reduce
+    or barrier, so that the world stays in step (the watchdog's numbering too) for the next
+    test."""
     from lockstep.comm.shm import HostBarrier, HostMemory
 
     rank, left, gave_up = lockstep.init().rank, Path(flags) / "left", Path(flags) / "gave-up"
@@ -463,6 +464,8 @@ def wait_on_a_peer_that_left_alive(flags: str, kind: str) -> tuple[str, float] |
             time.sleep(0.01)
         if barrier is None:
             comm.all_reduce(torch.ones(1), "the abandoned collective, completed")
+        else:  # (rank 1's flag is there: it passes at once, numbered as rank 1's wait was)
+            barrier.wait("the abandoned host barrier, completed")
         comm.barrier("after the abandoned wait")
         return None
     waits.watch(lambda: "rank 0 left for the next membership" if left.exists() else None)
