@@ -120,6 +120,77 @@ def test_shm_defaults_to_cache_sized_buckets(world2: World) -> None:
     assert sizes["shm"] == [2.0, 4.0, 4.0, 2.0]
 
 
+def dropped_right_after_allocating(grace_s: float) -> tuple[float, bool]:
+    """Rank 1 drops its HostMemory as soon as its allocation returns (a wrapper closed
+    right after it was built) while rank 0 is slow to map rank 1's file; then, past the
+    grace, a later HostMemory settles. Each rank's reading of the other's memory, and
+    whether rank 1's dropped file is closed by then."""
+    import gc
+    import os
+    import time
+
+    from lockstep import comm
+    from lockstep.comm import shm
+
+    def files() -> set[int]:
+        return {os.stat(f"/proc/self/fd/{n}").st_ino for n in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{n}")}
+
+    lockstep.init()
+    shm.ORPHAN_GRACE_S = grace_s
+    memory = shm.HostMemory(None)
+    if comm.rank_of() == 0:
+        mapping = memory._map
+        memory._map = lambda *args: (time.sleep(0.3), mapping(*args))[1]  # type: ignore[method-assign]
+    views = memory.allocate(4, torch.float64)
+    views[comm.rank_of()].fill_(comm.rank_of() + 1.0)
+    dropped = os.fstat(memory._unsettled[0]).st_ino
+    if comm.rank_of() == 1:
+        del memory
+        gc.collect()
+    comm.barrier("both wrote")
+    seen = float(views[1 - comm.rank_of()].sum())
+    time.sleep(grace_s)
+    later = shm.HostMemory(None)
+    for _ in range(2):  # the second exchange settles the first (and the orphans due)
+        later.allocate(1, torch.int64)
+    return seen, dropped not in files()
+
+
+def test_a_host_memory_dropped_at_once_still_lets_a_slow_peer_map_it_then_closes(
+        world2: World) -> None:
+    (seen0, _), (seen1, closed1) = world2.run(dropped_right_after_allocating, 0.5)
+    assert seen0 == 4 * 2.0 and seen1 == 4 * 1.0  # each read the other's memory
+    assert closed1  # the dropped memory's file, closed once the grace had passed
+
+
+def odd_tensors() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    grid = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    return [grid.t()[1:3], torch.tensor(5.5), torch.zeros(0), torch.tensor([True, False]),
+            torch.arange(7, dtype=torch.int16), torch.randn(3, generator=generator,
+                                                           dtype=torch.complex128)]
+
+
+def sent_packed() -> bool:
+    from lockstep import comm
+
+    lockstep.init()
+    if comm.rank_of() == 0:
+        comm.send_packed({"step": 7, "rows": [1, 2]}, odd_tensors(), 1, "a packed state")
+        return True
+    obj, tensors = comm.recv_packed(0, "a packed state")
+    return obj == {"step": 7, "rows": [1, 2]} and all(
+        got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+        for got, want in zip(tensors, odd_tensors(), strict=True))
+
+
+def test_state_sent_packed_arrives_whole(world2: World) -> None:
+    """A joiner's state in two messages: every dtype and shape (a strided view, a scalar,
+    an empty tensor, bools, complex) bit for bit, with the object beside them."""
+    assert world2.run(sent_packed) == [True, True]
+
+
 def check_shm_across_hosts_is_refused() -> str:
     world = lockstep.init()
     try:

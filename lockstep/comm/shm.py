@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import os
 import platform
+import threading
 import time
 import weakref
 
@@ -77,7 +78,16 @@ def peers_mappable(group: comm.Group, eligible: bool = True) -> bool:
 
 class HostMemory:
     """Allocates host-shared tensors. Collective over `group`: the ranks on this host must
-    call `allocate` together, with the same sizes, in the same order."""
+    call `allocate` together, with the same sizes, in the same order.
+
+    A wrapper's setup allocates a few times, and on a fault-tolerant job's join every member
+    sets up again, so each allocation is one exchange: the ranks' pids ride with their file
+    numbers, and no barrier waits for the peers to map a file before its owner closes it --
+    the owner keeps it open until the peers are known to have mapped it (its next exchange
+    or host barrier: each peer maps before it reaches either), then closes it, before its
+    number can name another file. Dropped before that (a wrapper closed as soon as it was
+    built, while a peer may still be mapping), it leaves its files open for a grace period
+    (`_orphan`)."""
 
     def __init__(self, group: comm.Group) -> None:
         reason = shm_available()
@@ -85,10 +95,11 @@ class HostMemory:
             raise RuntimeError(f"rank {comm.rank_of()}: {reason}")
         self.group = group
         self.local_rank = comm.rank_of(group)
-        self.pids = [pid for (pid,) in comm.all_gather_ints((os.getpid(),),
-                                                            "shm: exchange process ids", group)]
+        self.pids: list[int] = []  # the host's ranks', in local-rank order (from `allocate`)
         self.count = 0
         self.peers: list[weakref.ref[torch.Tensor]] = []  # their memory (peers_storages)
+        self._unsettled: list[int] = []  # files of ours a peer may not have mapped yet
+        weakref.finalize(self, _orphan, self._unsettled)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A zeroed tensor of `numel` elements per rank on the host, in local-rank order;
@@ -98,15 +109,24 @@ class HostMemory:
         self.count += 1
         try:
             os.ftruncate(fd, nbytes)  # fresh pages read as zeros
-            fds = [peer for (peer,) in comm.all_gather_ints((fd,), "shm: exchange bucket files",
-                                                            self.group)]
-            views = [self._map(pid, peer_fd, numel, dtype)
-                     for pid, peer_fd in zip(self.pids, fds, strict=True)]
-            comm.barrier("shm: every rank has mapped the new bucket", self.group)
-        finally:
-            os.close(fd)  # the mappings keep the memory; no name, nothing to clean up
+            peers = comm.all_gather_ints((os.getpid(), fd), "shm: exchange bucket files",
+                                         self.group)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.settled()  # every peer is past its last allocation: it mapped our files
+        self._unsettled.append(fd)  # the mappings keep the memory; no name to clean up
+        self.pids = [pid for pid, _ in peers]
+        views = [self._map(pid, peer_fd, numel, dtype) for pid, peer_fd in peers]
         self.peers += [weakref.ref(view) for r, view in enumerate(views) if r != self.local_rank]
         return views
+
+    def settled(self) -> None:
+        """Every peer has mapped what this rank allocated before now (they reached a host
+        barrier or an exchange after it): close its files (and any orphans' that are due)."""
+        _close_all(self._unsettled)
+        if _ORPHANS:
+            _close_orphans()
 
     def _map(self, pid: int, fd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A peer's memory file, mapped. A peer that died (or failed) between the exchange
@@ -121,6 +141,37 @@ class HostMemory:
                 f"rank {comm.rank_of()}: shm: mapping local rank {local}'s memory (pid {pid}) "
                 f"failed -- it exited or failed while the host's ranks set up: "
                 f"{str(error).splitlines()[0]}") from None
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+ORPHAN_GRACE_S = 60.0
+"""How long the files of a HostMemory dropped before its peers were known to have mapped
+them stay open: far longer than a live peer takes to map a file once the exchange that
+named it completed (a peer that has not by then failed its setup)."""
+_ORPHANS: list[tuple[float, list[int]]] = []  # (when they may close, the files)
+_ORPHANS_LOCK = threading.Lock()  # (a finalizer may run on any thread)
+
+
+def _orphan(fds: list[int]) -> None:
+    """A HostMemory's finalizer: its files not yet known mapped close after the grace, at
+    a later HostMemory's settling (at the process's exit otherwise)."""
+    if fds:
+        with _ORPHANS_LOCK:
+            _ORPHANS.append((time.monotonic() + ORPHAN_GRACE_S, fds[:]))
+        fds.clear()
+
+
+def _close_orphans() -> None:
+    with _ORPHANS_LOCK:
+        now = time.monotonic()
+        due = [fds for when, fds in _ORPHANS if when <= now]
+        _ORPHANS[:] = [(when, fds) for when, fds in _ORPHANS if when > now]
+    for fds in due:
+        _close_all(fds)
 
 
 def peers_storages() -> set[int]:
@@ -166,6 +217,7 @@ class HostBarrier:
     def _wait(self, what: str) -> None:
         if not self.spin:
             comm.barrier(what, self.memory.group)
+            self.memory.settled()
             return
         self.generation += 1
         mine = self.memory.local_rank
@@ -192,6 +244,7 @@ class HostBarrier:
                 ask_at = now + waits.SLICE.total_seconds()
             time.sleep(min(1e-3, 1e-5 * (spins - 2000)))
         ledger.launched(record, None)
+        self.memory.settled()
 
     def leave(self) -> None:
         """Say this rank will reach no more of these barriers (its wrapper closed, or its

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lockstep import comm
 from lockstep.comm.shm import HostBarrier, HostFlags, HostMemory
 from lockstep.replication.nonfinite import flags_numel
 
@@ -41,7 +42,7 @@ class Staging:
     def __init__(self, memory: HostMemory, barrier: HostBarrier, stage: int,
                  dtypes: Sequence[torch.dtype]) -> None:
         self.barrier = barrier
-        self.me, self.world = memory.local_rank, len(memory.pids)
+        self.me, self.world = memory.local_rank, comm.size_of(memory.group)
         parts = max(1, self.world - 1 + (1 if stage == 1 else 0))  # per slot pair, in pieces
         # Per dtype (in the same order on every rank: the slots are allocated collectively):
         # elements a piece holds, and per use in turn every rank's slot as this rank sees it.
