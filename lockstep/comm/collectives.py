@@ -6,6 +6,9 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
+import itertools
+import math
+import pickle
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -154,6 +157,48 @@ def recv_tensors(tensors: Sequence[torch.Tensor], src: int, what: str) -> None:
         flat = _flatten_dense_tensors([t.detach() for t in same_dtype])  # (its size, dtype)
         recv(flat, src, what)
         _copy_back(flat, same_dtype)
+
+
+_ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer
+
+
+def send_packed(obj: Any, tensors: Sequence[torch.Tensor], dst: int, what: str) -> None:
+    """Send picklable `obj` and `tensors` (on any device) to rank `dst` alone, through a
+    CPU group, in two messages -- their size, then one buffer holding the pickled `obj`
+    with the tensors' shapes and dtypes, and every tensor's bytes -- where send_object and
+    send_tensors make two and one per dtype, each a round trip with the receiver. `dst`
+    calls recv_packed. (Small, trusted state among the job's ranks: it pickles.)"""
+    head = pickle.dumps((obj, [(tuple(t.shape), t.dtype) for t in tensors]))
+    parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+    parts += [t.detach().reshape(-1).cpu().view(torch.uint8) for t in tensors]
+    starts = list(itertools.accumulate((_aligned(len(p)) for p in parts), initial=0))
+    payload = torch.empty(starts[-1], dtype=torch.uint8)
+    for part, start in zip(parts, starts, strict=False):
+        payload[start:start + len(part)] = part
+    sizes = torch.tensor([len(head), len(payload)], dtype=torch.int64)
+    works = [isend(sizes, dst, what), isend(payload, dst, what)]  # (no wait in between)
+    for work in works:
+        work.wait()
+
+
+def recv_packed(src: int, what: str) -> tuple[Any, list[torch.Tensor]]:
+    """`obj` and the tensors (on the CPU) that rank `src` sent with send_packed."""
+    sizes = torch.empty(2, dtype=torch.int64)
+    recv(sizes, src, what)
+    head, total = sizes.tolist()
+    payload = torch.empty(total, dtype=torch.uint8)
+    recv(payload, src, what)
+    obj, layout = pickle.loads(payload[:head].numpy().tobytes())
+    tensors, start = [], _aligned(head)
+    for shape, dtype in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        tensors.append(payload[start:start + nbytes].view(dtype).reshape(shape).clone())
+        start += _aligned(nbytes)
+    return obj, tensors
+
+
+def _aligned(nbytes: int) -> int:
+    return nbytes + -nbytes % _ALIGN
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

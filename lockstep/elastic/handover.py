@@ -7,12 +7,12 @@ rates), the wrapper's own tensors (DiLoCo's outer state), the RNG states, and sm
 objects (the step, the data position, the user's `state_dict()`s). Nothing touches disk.
 
 Called on every rank of the membership. When one rank needs the state (a joiner, the
-usual case), rank 0 sends it to that rank alone and the others go on; otherwise tensors
-travel as broadcasts, and ranks that are already level take part but keep their own
-state. Either way tensors go one message per dtype; the layout they need (the optimizer
-state's shapes, the objects) goes first as one small pickled object among the ranks --
-peers of one job, as with every object lockstep's ranks exchange; nothing from outside the
-job is unpickled.
+usual case), rank 0 sends it to that rank alone and the others go on -- over a CPU group
+in two messages, its size and then one buffer of everything; otherwise tensors travel as
+broadcasts, one per dtype, and ranks that are already level take part but keep their own
+state. The layout the tensors need (the optimizer state's shapes, the objects) is pickled
+among the ranks -- peers of one job, as with every object lockstep's ranks exchange;
+nothing from outside the job is unpickled.
 """
 
 from __future__ import annotations
@@ -133,18 +133,28 @@ def hand_over(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrappe
 def _hand_to_one(module: nn.Module, optimizer: torch.optim.Optimizer | None, wrapper: Any,
                  objects: dict[str, Any], to: int, receive: bool) -> dict[str, Any]:
     """Rank 0 sends its state to rank `to` alone (a broadcast made every member receive a
-    copy it does not need: N-1 copies of the model for one joiner); the others return."""
+    copy it does not need: N-1 copies of the model for one joiner); the others return.
+    Over a CPU group it goes packed in two messages (comm.send_packed), on a joiner's
+    path: each message is a round trip between the two."""
+    what = "handover: rank 0's model and optimizer state"
+    packed = comm.device_of().type == "cpu"
     if comm.rank_of() == SOURCE:
         tensors: list[torch.Tensor] = []
-        comm.send_object(_layout(module, optimizer, wrapper, objects, tensors), to,
-                         "handover: the layout of rank 0's state")
-        comm.send_tensors(tensors, to, "handover: rank 0's model and optimizer state")
+        layout = _layout(module, optimizer, wrapper, objects, tensors)
+        if packed:
+            comm.send_packed(layout, tensors, to, what)
+        else:
+            comm.send_object(layout, to, "handover: the layout of rank 0's state")
+            comm.send_tensors(tensors, to, what)
         return objects
     if not receive:
         return objects
-    layout = comm.recv_object(SOURCE, "handover: the layout of rank 0's state")
-    tensors = _empty_like_slots(layout)
-    comm.recv_tensors(tensors, SOURCE, "handover: rank 0's model and optimizer state")
+    if packed:
+        layout, tensors = comm.recv_packed(SOURCE, what)
+    else:
+        layout = comm.recv_object(SOURCE, "handover: the layout of rank 0's state")
+        tensors = _empty_like_slots(layout)
+        comm.recv_tensors(tensors, SOURCE, what)
     state = _join(layout, tensors)
     _load(module, optimizer, state)
     _load_into(_wrapper_tensors(wrapper), state["wrapper"])
