@@ -49,7 +49,18 @@ log = get_logger(__name__)
 
 ABANDONED = "abandoned"
 _POLL_S = 0.005
+_QUORUM_POLL_S, _QUORUM_FAST_S = 0.001, 0.05  # see _pause
 _JOINER_BUMP_S = 0.02  # a waiting joiner's counter: a write (on etcd, a Raft entry) each
+
+
+def _pause(since: float) -> None:
+    """One poll's sleep in a quorum's waits: 1 ms for its first 50 ms -- a quorum of live
+    members is decided in a few, and every member and joiner waits on it -- then 5 ms (a
+    dead member takes seconds to judge; on etcd each poll is a request). (A timed
+    store.wait would wake at once, but a TCPStore logs each one that times out, and its
+    connection is not to be trusted after one.)"""
+    fast = time.monotonic() - since < _QUORUM_FAST_S
+    time.sleep(_QUORUM_POLL_S if fast else _POLL_S)
 
 
 class QuorumError(RuntimeError):
@@ -139,7 +150,7 @@ class Coordinator(JoinerStops):
         self.store.set(f"joiner/{slot}", str(self.id))
         epoch = int(self.store.get("epoch")) + 1 if self.store.check(["epoch"]) else 0
         deadline, next_bump = time.monotonic() + self.config.join_timeout_s, 0.0
-        asked = False  # the quorum that may admit it has begun
+        asked, asked_at = False, 0.0  # the quorum that may admit it has begun, and when
         while time.monotonic() < deadline:
             key = f"members/{epoch}"
             if self.store.check([key]):
@@ -162,14 +173,18 @@ class Coordinator(JoinerStops):
                 self.leave()
                 raise JobFinished()
             if not asked and self.store.check([f"q/{epoch}/n"]):
-                asked = True  # its leader asks whether this worker is alive: say so now
+                asked, asked_at = True, time.monotonic()  # its leader asks whether this
+                # worker is alive: say so now
                 self.store.set(f"q/{epoch}/ready/{self.id}", "")  # (not earlier: fresh)
             # Alive as a leader judges it otherwise: a counter that moves, sooner than a
             # beat (and at every poll while a quorum is under way)
             if asked or time.monotonic() >= next_bump:
                 self.store.add(f"hb/{self.id}", 1)
                 next_bump = time.monotonic() + _JOINER_BUMP_S
-            time.sleep(_POLL_S)
+            if asked:
+                _pause(asked_at)
+            else:
+                time.sleep(_POLL_S)
         raise QuorumError(f"worker {self.id} (host {self.host}): not admitted to the job "
                           f"within {self.config.join_timeout_s:.0f}s; is it still training?")
 
@@ -264,8 +279,8 @@ class Coordinator(JoinerStops):
         blocked in a collective with a peer that left can take to get here: its collective
         fails at its timeout (a peer that departed alive keeps its sockets open), then its
         report asks the ranks it waited for for their stacks (up to STACK_WAIT_S)."""
-        liveness = Liveness(self.store, self.config.dead_after_s)
-        give_up = time.monotonic() + self.config.collective_timeout_s + STACK_WAIT_S + \
+        liveness, started = Liveness(self.store, self.config.dead_after_s), time.monotonic()
+        give_up = started + self.config.collective_timeout_s + STACK_WAIT_S + \
             self.config.dead_after_s
         registered: dict[int, Candidate] = {}
         gone: set[int] = set()
@@ -293,7 +308,7 @@ class Coordinator(JoinerStops):
                         self.store.set(f"left/{worker}", "1")  # no longer pending
             if len(registered) + len(gone) == len(olds) + len(joiners):
                 break
-            time.sleep(_POLL_S)
+            _pause(started)
         lost = [Candidate(w, *self._where(w)) for w in olds if w in gone]
         return registered, lost
 
@@ -311,8 +326,8 @@ class Coordinator(JoinerStops):
 
     def _await(self, key: str, epoch: int) -> str:
         """The decision for `epoch`; "abandoned" if its leader died before writing it."""
-        liveness = Liveness(self.store, self.config.dead_after_s)
-        deadline = time.monotonic() + self.config.join_timeout_s
+        liveness, started = Liveness(self.store, self.config.dead_after_s), time.monotonic()
+        deadline = started + self.config.join_timeout_s
         leader: int | None = None
         while not self.store.check([key]):
             if time.monotonic() > deadline:
@@ -323,6 +338,6 @@ class Coordinator(JoinerStops):
             if leader is not None and leader != self.id and \
                     liveness.observe(leader) == "dead":
                 self.store.compare_set(key, "", ABANDONED)
-            time.sleep(_POLL_S)
+            _pause(started)
         return self.store.get(key).decode()
 
