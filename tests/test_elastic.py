@@ -332,18 +332,27 @@ HOOK_ON_COLLECTIVES = textwrap.dedent("""
     comm.all_reduce(torch.zeros(1), "the step's")
     comm.all_reduce(torch.zeros(1), "the next")
     print("after:", len(ran), flush=True)
+    # on one host's shared memory the step waits on its peers at the host's barriers
+    from lockstep.comm.shm import HostBarrier, HostMemory
+    barrier = HostBarrier(HostMemory(None), timeout_s=10.0)
+    stophook.before_next_world_collective(threading.get_ident(), lambda: ran.append(2))
+    barrier.wait("the host's barrier")
+    print("at the host's barrier:", ran, flush=True)
 """)
 
 
 def test_the_stop_hook_runs_once_on_a_collective_its_step_waits_for() -> None:
     """Not on one waited for after the step (a peer may finish the step before this rank
-    joins it), nor on another thread's; once, on the next one the step waits for."""
+    joins it), nor on another thread's; once, on the next one the step waits for -- a
+    barrier in host memory too, where the job's ranks share one host (shm's steps make
+    no collective over the group with the non-finite check off)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
     done = subprocess.run([sys.executable, "-c", HOOK_ON_COLLECTIVES], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "before: 0" in done.stdout and "after: 1" in done.stdout, done.stdout
+    assert "at the host's barrier: [1, 2]" in done.stdout, done.stdout
 
 
 def test_a_joiner_that_froze_another_layer_differs_in_its_terms() -> None:

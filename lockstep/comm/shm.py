@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from lockstep import comm
-from lockstep.comm import timeline, waits
+from lockstep.comm import stophook, timeline, waits
 from lockstep.comm.diagnostics import explain_stall
 from lockstep.comm.failures import timed_out
 from lockstep.comm.ledger import Record, ledger
@@ -215,6 +215,8 @@ class HostBarrier:
             self._wait(what)
 
     def _wait(self, what: str) -> None:
+        if stophook.armed is not None and self.memory.group is None:  # the job's ranks,
+            stophook.run_armed()  # all on this host: no step passes it without each
         if not self.spin:
             comm.barrier(what, self.memory.group)
             self.memory.settled()

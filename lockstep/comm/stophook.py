@@ -1,8 +1,10 @@
 """A hook run just before the next collective a step waits for (comm.collectives calls
-`run_armed` as it issues each one): where lockstep.Elastic's rank 0 sets the step at which
-its members stop for a joiner -- the step under way, which no member can finish without
-that collective -- when its steps exchange no non-finite flags to give notice in (local
-SGD, DiLoCo, the check off: Coordinator.grow_due; else Coordinator.announce_stop)."""
+`run_armed` as it issues each one, and shm's host barrier where every rank of the job is on
+the host: the step's only wait on its peers there): where lockstep.Elastic's rank 0 sets
+the step at which its members stop for a joiner -- the step under way, which no member can
+finish without that collective -- when its steps exchange no non-finite flags to give
+notice in (local SGD, DiLoCo, the check off: Coordinator.grow_due; else
+Coordinator.announce_stop)."""
 
 from __future__ import annotations
 
