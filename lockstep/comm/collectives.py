@@ -170,7 +170,7 @@ def send_packed(obj: Any, tensors: Sequence[torch.Tensor], dst: int, what: str) 
     calls recv_packed. (Small, trusted state among the job's ranks: it pickles.)"""
     head = pickle.dumps((obj, [(tuple(t.shape), t.dtype) for t in tensors]))
     parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-    parts += [t.detach().reshape(-1).cpu().view(torch.uint8) for t in tensors]
+    parts += [_raw_bytes(t) for t in tensors]
     starts = list(itertools.accumulate((_aligned(len(p)) for p in parts), initial=0))
     payload = torch.empty(starts[-1], dtype=torch.uint8)
     for part, start in zip(parts, starts, strict=False):
@@ -195,6 +195,12 @@ def recv_packed(src: int, what: str) -> tuple[Any, list[torch.Tensor]]:
         tensors.append(payload[start:start + nbytes].view(dtype).reshape(shape).clone())
         start += _aligned(nbytes)
     return obj, tensors
+
+
+def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as bytes, whatever its layout (strided, expanded, a conjugate view)."""
+    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1) \
+        .view(torch.uint8)
 
 
 def _aligned(nbytes: int) -> int:

@@ -144,8 +144,13 @@ class HostMemory:
 
 
 def _close_all(fds: list[int]) -> None:
-    while fds:
-        os.close(fds.pop())
+    """Close and forget `fds` (each once, even if another thread closes the same list)."""
+    while True:
+        try:
+            fd = fds.pop()  # (atomic: no fd is taken twice)
+        except IndexError:
+            return
+        os.close(fd)
 
 
 ORPHAN_GRACE_S = 60.0

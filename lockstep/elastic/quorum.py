@@ -173,14 +173,14 @@ class Coordinator(JoinerStops):
                 self.leave()
                 raise JobFinished()
             if not asked and self.store.check([f"q/{epoch}/n"]):
-                asked, asked_at = True, time.monotonic()  # its leader asks whether this
-                # worker is alive: say so now
+                asked = True  # its leader asks whether this worker is alive: say so now
+                asked_at = next_bump = time.monotonic()
                 self.store.set(f"q/{epoch}/ready/{self.id}", "")  # (not earlier: fresh)
             # Alive as a leader judges it otherwise: a counter that moves, sooner than a
-            # beat (and at every poll while a quorum is under way)
-            if asked or time.monotonic() >= next_bump:
+            # beat (and every 5 ms while a quorum is under way)
+            if time.monotonic() >= next_bump:  # (on etcd each bump is a Raft write)
                 self.store.add(f"hb/{self.id}", 1)
-                next_bump = time.monotonic() + _JOINER_BUMP_S
+                next_bump = time.monotonic() + (_POLL_S if asked else _JOINER_BUMP_S)
             if asked:
                 _pause(asked_at)
             else:
