@@ -6,9 +6,6 @@ into an error that names the rank, what it was waiting for, and who is behind.
 
 from __future__ import annotations
 
-import itertools
-import math
-import pickle
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -18,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lockstep.comm import stophook, waits
+from lockstep.comm import packing, stophook, waits
 from lockstep.comm.failures import CollectiveError, explain_failure
 from lockstep.comm.ledger import ledger
 
@@ -159,23 +156,12 @@ def recv_tensors(tensors: Sequence[torch.Tensor], src: int, what: str) -> None:
         _copy_back(flat, same_dtype)
 
 
-_ALIGN = 16  # each tensor's bytes start at a multiple of this in a packed buffer
-
-
 def send_packed(obj: Any, tensors: Sequence[torch.Tensor], dst: int, what: str) -> None:
     """Send picklable `obj` and `tensors` (on any device) to rank `dst` alone, through a
-    CPU group, in two messages -- their size, then one buffer holding the pickled `obj`
-    with the tensors' shapes and dtypes, and every tensor's bytes -- where send_object and
-    send_tensors make two and one per dtype, each a round trip with the receiver. `dst`
-    calls recv_packed. (Small, trusted state among the job's ranks: it pickles.)"""
-    head = pickle.dumps((obj, [(tuple(t.shape), t.dtype) for t in tensors]))
-    parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
-    parts += [_raw_bytes(t) for t in tensors]
-    starts = list(itertools.accumulate((_aligned(len(p)) for p in parts), initial=0))
-    payload = torch.empty(starts[-1], dtype=torch.uint8)
-    for part, start in zip(parts, starts, strict=False):
-        payload[start:start + len(part)] = part
-    sizes = torch.tensor([len(head), len(payload)], dtype=torch.int64)
+    CPU group, in two messages -- their size, then one buffer of both (packing.py) --
+    where send_object and send_tensors make two and one per dtype, each a round trip with
+    the receiver. `dst` calls recv_packed."""
+    sizes, payload = packing.pack(obj, tensors)
     works = [isend(sizes, dst, what), isend(payload, dst, what)]  # (no wait in between)
     for work in works:
         work.wait()
@@ -183,28 +169,11 @@ def send_packed(obj: Any, tensors: Sequence[torch.Tensor], dst: int, what: str) 
 
 def recv_packed(src: int, what: str) -> tuple[Any, list[torch.Tensor]]:
     """`obj` and the tensors (on the CPU) that rank `src` sent with send_packed."""
-    sizes = torch.empty(2, dtype=torch.int64)
+    sizes = packing.sizes_buffer()
     recv(sizes, src, what)
-    head, total = sizes.tolist()
-    payload = torch.empty(total, dtype=torch.uint8)
+    payload = packing.payload_buffer(sizes)
     recv(payload, src, what)
-    obj, layout = pickle.loads(payload[:head].numpy().tobytes())
-    tensors, start = [], _aligned(head)
-    for shape, dtype in layout:
-        nbytes = math.prod(shape) * dtype.itemsize
-        tensors.append(payload[start:start + nbytes].view(dtype).reshape(shape).clone())
-        start += _aligned(nbytes)
-    return obj, tensors
-
-
-def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values as bytes, whatever its layout (strided, expanded, a conjugate view)."""
-    return t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1) \
-        .view(torch.uint8)
-
-
-def _aligned(nbytes: int) -> int:
-    return nbytes + -nbytes % _ALIGN
+    return packing.unpack(sizes, payload)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
