@@ -1,5 +1,6 @@
 """Every reduction algorithm gives native's averages, at world sizes 2, 3 and 4, on one host
-and on emulated hosts (LOCAL_WORLD_SIZE splitting the world), raw and through training."""
+and on emulated hosts (LOCAL_WORLD_SIZE splitting the world), raw and through training; and
+the pieces they stand on: host memory's files, a state sent packed to one rank."""
 
 from __future__ import annotations
 
