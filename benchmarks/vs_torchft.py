@@ -20,6 +20,11 @@ completes; from those:
                        completes (a step in flight may complete after the kill: its
                        all-reduce was done before)
     joiner training    from the restarted worker being ready to its first completed step
+    joiner counting    ... to the first step its own gradient is part of: torchft's joiner
+                       heals in its first step -- it computes, sends zeros in the average
+                       (Manager.is_participating() is False while healing) and takes the
+                       others' state -- so its work counts from its second; lockstep's
+                       joiner trains its share of the global batch in its first
 
 The launches run in a palindrome (DDP, torchft, lockstep, lockstep, torchft, DDP with
 --rounds 2); each number is the median over rounds.
@@ -95,7 +100,7 @@ def ddp_worker(out: Path, steps: int) -> None:
         optimizer.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-        note(out, f"ddp-{rank}", kind="step", step=step + 1, started=started)
+        note(out, f"ddp-{rank}", kind="step", step=step + 1, started=started, counted=True)
     # DDP's reducer goes before its group: freed after the group was destroyed, it hung
     # (in 2 of 4 launches) at the worker's exit.
     dist.barrier()
@@ -128,10 +133,11 @@ def torchft_worker(out: Path, steps: int, replica: int) -> None:
         x, y = batch(torch, images, labels, step, replica)
         managed.zero_grad()  # starts the step's quorum
         torch.nn.functional.cross_entropy(model(x), y).backward()
+        counted = manager.is_participating()  # (False while it heals: it sent zeros)
         managed.step()  # steps only if every replica's all-reduce succeeded
         if manager.current_step() > step:
             note(out, f"torchft-{replica}", kind="step", step=manager.current_step(),
-                 started=started)
+                 started=started, counted=counted)
     manager.shutdown()
 
 
@@ -156,8 +162,8 @@ def lockstep_worker(out: Path, steps: int) -> None:
 
     while job.step < steps:
         started = time.time()
-        if job.run_step(train_step) is not None:
-            note(out, name, kind="step", step=job.step, started=started)
+        if job.run_step(train_step) is not None:  # (None: brought level, trained nothing)
+            note(out, name, kind="step", step=job.step, started=started, counted=True)
     job.finish()
 
 
@@ -236,7 +242,10 @@ def run_with_a_kill(system: str, out: Path) -> dict[str, float]:
         procs.append(restart())
         joiner = wait_for(lambda: _new_worker_stepping(out, killed),
                           f"{system}: the restarted worker's first step")
-        return {"step": _step_time(out, killed), "again": trained - killed, "join": joiner}
+        counting = wait_for(lambda: _new_worker_stepping(out, killed, counted=True),
+                            f"{system}: the restarted worker's first step that counted")
+        return {"step": _step_time(out, killed), "again": trained - killed, "join": joiner,
+                "counts": counting}
     finally:  # every process of the run, each started in a session of its own
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -258,13 +267,14 @@ def _first_step_after(out: Path, moment: float, exclude: int) -> float | None:
     return min(times) if times else None
 
 
-def _new_worker_stepping(out: Path, after: float) -> float | None:
-    """Seconds from the restarted worker's ready note to its first completed step."""
+def _new_worker_stepping(out: Path, after: float, counted: bool = False) -> float | None:
+    """Seconds from the restarted worker's ready note to its first completed step (with
+    `counted`, its first whose gradient was part of the average)."""
     for rs in records(out).values():
         ready = [r for r in rs if r["kind"] == "ready" and r["time"] > after]
         if ready:
             stepped = [r["time"] for r in rs if r["kind"] == "step"
-                       and r["pid"] == ready[-1]["pid"]]
+                       and r["pid"] == ready[-1]["pid"] and (r["counted"] or not counted)]
             return min(stepped) - ready[-1]["time"] if stepped else None
     return None
 
@@ -319,21 +329,20 @@ def report(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
     print(f"{WORKERS} workers, MNIST CNN, {PER_WORKER} samples each per step; medians of "
           f"{rounds} round(s)")
     print(f"{'':10s} {'step':>9s} {'vs DDP':>7s} {'kill -9 -> training':>20s} "
-          f"{'restarted -> training':>22s}")
+          f"{'restarted -> training':>22s} {'-> its gradient counts':>23s}")
     for system in SYSTEMS:
         step = median(system, "step")
-        tail = "" if system == "DDP" else \
-            f" {median(system, 'again'):19.2f}s {median(system, 'join'):21.2f}s"
+        tail = "" if system == "DDP" else "".join(
+            f" {median(system, key):{width}.2f}s"
+            for key, width in (("again", 19), ("join", 21), ("counts", 22)))
         print(f"{system:10s} {step * 1e3:7.2f}ms {step / ddp:6.2f}x{tail}")
-    ours, theirs = (median("lockstep", k) for k in ("again", "join")), \
-        (median("torchft", k) for k in ("again", "join"))
-    (again, join), (ft_again, ft_join) = tuple(ours), tuple(theirs)
+    again, join, counts = (median("lockstep", k) for k in ("again", "join", "counts"))
+    ft_again, ft_join, ft_counts = (median("torchft", k) for k in ("again", "join", "counts"))
     print(f"lockstep vs torchft: per-step cost {median('lockstep', 'step') / ddp:.2f}x DDP "
           f"against {median('torchft', 'step') / ddp:.2f}x (goal <= 1.01x); training again "
           f"{again:.2f}s after a kill against {ft_again:.2f}s (goal <= 1 s); a restarted "
-          f"worker training {join:.2f}s after it is ready against {ft_join:.2f}s "
-          "(goal <= 1 s)")
-
+          f"worker training {join:.2f}s after it is ready against {ft_join:.2f}s, its "
+          f"gradient counting {counts:.2f}s after against {ft_counts:.2f}s (goal <= 1 s)")
 
 if __name__ == "__main__":
     sys.exit(main())
