@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -30,10 +31,17 @@ import elastic_recovery as er  # noqa: E402  (its launcher, records and audit)
 er.SCRIPT = str(ROOT / "examples" / "elastic_trainer.py")
 
 
-def live_workers(folder: Path, since: float) -> dict[int, int]:
-    """worker id -> pid of the workers that trained a step after `since`."""
-    return {r["worker"]: r["pid"] for r in er.records(folder)
-            if "attempt" in r and r["time"] > since}
+def members(folder: Path, size: int, after: float, job: subprocess.Popen[str]) -> list[int]:
+    """The pids of a membership of `size` workers, each seen training in it after `after`
+    (a moment past the last change: a worker killed before it is no candidate)."""
+    found: dict[int, int] = {}
+
+    def seen(r: dict[str, Any]) -> bool:
+        if r["world"] == size and r["time"] > after:
+            found[r["worker"]] = r["pid"]
+        return len(found) == size
+    er.wait_for(folder, seen, job)
+    return [pid for _, pid in sorted(found.items())]
 
 
 def wait_world(folder: Path, size: int, after: float, job: subprocess.Popen[str]) -> float:
@@ -58,8 +66,7 @@ def main() -> None:
         recoveries = []
         er.wait_for(folder, lambda r: r["attempt"] >= 40, first)
         now = time.time()
-        pids = sorted(live_workers(folder, now - 1).items())
-        victims = [pid for _, pid in pids[1:]]
+        victims = members(folder, 3, now - 1, first)[1:]
         for pid in victims:  # two of three, at once
             os.kill(pid, signal.SIGKILL)
         back = wait_world(folder, 1, now, first)
@@ -67,9 +74,11 @@ def main() -> None:
         print(f"kill -9 of two workers at once: training again {back - now:.1f}s later",
               flush=True)
         added.append(er.run_job([er.launcher(2, endpoint, folder, extra)])[0])
-        wait_world(folder, 3, now, first)
+        # (from `back`, not `now`: a step the three trained just before the kill landed
+        # after `now`, and its killed workers were once picked here)
+        grown = wait_world(folder, 3, back, first)
         now = time.time()
-        stopped = sorted(live_workers(folder, now - 1).items())[1][1]
+        stopped = members(folder, 3, grown, first)[1]
         os.kill(stopped, signal.SIGSTOP)
         back = wait_world(folder, 2, now, first)
         recoveries.append((f"SIGSTOP for {args.stop_s:.0f}s", back - now))
@@ -78,7 +87,7 @@ def main() -> None:
         time.sleep(max(0.0, args.stop_s - (time.time() - now)))
         os.kill(stopped, signal.SIGCONT)
         try:
-            wait_world(folder, 3, time.time(), first)
+            grown = wait_world(folder, 3, time.time(), first)
         except RuntimeError:
             for a in added:
                 a.kill()
@@ -87,12 +96,12 @@ def main() -> None:
         print(f"SIGCONT after {args.stop_s:.0f}s: it joined again by itself", flush=True)
         for cycle in range(args.cycles):
             now = time.time()
-            pid = rng.choice(sorted(live_workers(folder, now - 1).values()))
+            pid = rng.choice(members(folder, 3, grown, first))
             os.kill(pid, signal.SIGKILL)
             back = wait_world(folder, 2, now, first)
             recoveries.append((f"cycle {cycle + 1}", back - now))
             added.append(er.run_job([er.launcher(1, endpoint, folder, extra)])[0])
-            joined = wait_world(folder, 3, back, first)
+            joined = grown = wait_world(folder, 3, back, first)
             print(f"cycle {cycle + 1}: kill -9 of pid {pid}, training again after "
                   f"{back - now:.1f}s; a new worker training {joined - back:.1f}s after that",
                   flush=True)

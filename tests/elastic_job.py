@@ -192,7 +192,7 @@ def main() -> None:
         log.write(json.dumps({"attempt": step, "epoch": job.membership.epoch,
                               "rank": world.rank, "world": world.world_size, "worker": me,
                               "pid": os.getpid(), "indices": indices.tolist(),
-                              "time": time.time()}) + "\n")
+                              "time": time.time(), "threads": torch.get_num_threads()}) + "\n")
         log.flush()
         loss = ((replica(x[indices]) - y[indices]) ** 2).sum()
         (loss * world.world_size / args.global_batch).backward()

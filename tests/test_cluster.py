@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from lockstep.cores import HOST_CORES
 from lockstep.elastic import etcd
-from lockstep.launch.run import HOST_CORES
 from lockstep.tools.cluster import Cluster, cluster_available, parse_bandwidth
 from tests import multihost_job
 

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from lockstep.comm import CollectiveError
+from lockstep.cores import HOST_CORES
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
 from lockstep.elastic.store import PREFIX
@@ -382,13 +383,17 @@ def test_which_errors_mean_a_peer_is_gone() -> None:
 # ---- real jobs -------------------------------------------------------------------------
 
 
-def _launch(out: Path, port: int | str, nproc: int, args: list[str], log: str, job: str = JOB
-            ) -> subprocess.Popen[bytes]:
-    """`port` on this machine, or a whole endpoint (etcd://...)."""
+def _launch(out: Path, port: int | str, nproc: int, args: list[str], log: str, job: str = JOB,
+            env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`port` on this machine, or a whole endpoint (etcd://...). `env`: the workers' threads
+    left to the launcher (OMP_NUM_THREADS unset), with these variables."""
     endpoint = port if isinstance(port, str) else f"127.0.0.1:{port}"
     command = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic", "-n", str(nproc),
                "--rdzv-endpoint", endpoint, job, "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if env is None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    else:
+        env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, **env}
     return subprocess.Popen(command, stdout=(out / log).open("w"), stderr=subprocess.STDOUT,
                             cwd=ROOT, env=env)  # (what rank 0 prints too: a resume, say)
 
@@ -418,13 +423,14 @@ def _wait_for(out: Path, what: Any, deadline_s: float, why: str) -> list[dict[st
 def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
                      job: str = JOB, endpoint: str | None = None,
                      before_rejoin: Callable[[], None] = lambda: None,
-                     stepped: bool = False) -> dict[str, Any]:
+                     stepped: bool = False, env: dict[str, str] | None = None
+                     ) -> dict[str, Any]:
     """`nproc` workers; SIGKILL the rank-1 worker at step `kill_at` (once it has stepped its
     optimizer in it, with `stepped`: its job records that); once the survivors go on
     without it (and `before_rejoin` ran), a second launcher adds one worker. Returns what
-    happened."""
+    happened. `env`: see _launch."""
     port = endpoint or free_port()
-    first = _launch(out, port, nproc, args, "launcher1.err", job)
+    first = _launch(out, port, nproc, args, "launcher1.err", job, env)
     second = None
     try:
         victim = _wait_for(out, lambda r: r["attempt"] >= kill_at and r["rank"] == 1 and
@@ -434,7 +440,7 @@ def _kill_and_rejoin(out: Path, args: list[str], kill_at: int, nproc: int = 3,
         resumed = _wait_for(out, lambda r: r["world"] == nproc - 1, 30,
                             "the survivors to resume")
         before_rejoin()
-        second = _launch(out, port, 1, args, "launcher2.err", job)
+        second = _launch(out, port, 1, args, "launcher2.err", job, env)
         assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
     finally:
         for launcher in (first, second):
@@ -526,10 +532,20 @@ def test_kill_9_then_rejoin_trains_as_one_process(tmp_path: Path, algorithm: str
     repairs it from the majority; at step 8 it is killed; a new worker joins later (and
     receives the schedule's state). The final weights equal one process's. With the
     default algorithm ("auto": on one host, buckets summed through shared memory) the
-    survivors find the death at a barrier in memory, not a closed socket."""
+    survivors find the death at a barrier in memory, not a closed socket.
+
+    The launchers choose the threads (native): 4 cores on this "host" shared among the
+    job's workers on it as they come and go -- 1 each of 3, 2 each of 2, and 1 for the
+    joiner too, which its own launcher (-n 1) started with every core. (Left as launched,
+    after a few kill/rejoin cycles every worker ran with all of the host's cores and steps
+    took five times as long.)"""
     steps, args = 60, ["--steps", "60", "--pace", "0.04", "--check-every", "5",
                        "--perturb", "4", "--hold-at", "30", "--algorithm", algorithm]
-    run = _kill_and_rejoin(tmp_path, args, kill_at=8)
+    auto = {HOST_CORES: "4"} if algorithm == "native" else None
+    run = _kill_and_rejoin(tmp_path, args, kill_at=8, env=auto)
+    if auto is not None:
+        assert {(r["world"], r["threads"]) for r in run["records"] if "attempt" in r} \
+            == {(3, 1), (2, 2)}
     finals = _check_history(run, steps, 12)
     expected = _reference(steps, 12)
     x, y = elastic_job.data()

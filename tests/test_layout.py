@@ -87,10 +87,10 @@ def test_modules_and_functions_stay_small() -> None:
 # Each subpackage's place in the one direction dependencies run: communication <-
 # replication <- sharding / low-communication <- elastic / advisor <- training <- launch
 # and tools <- the public package <- the demo <- the command line (which dispatches to all of them).
-# Siblings at one level stay apart; the leaf utilities (logs, lazy, eager, optim, seeding)
+# Siblings at one level stay apart; the leaf utilities (logs, lazy, eager, optim, seeding, cores)
 # sit below everything, the test harness on top.
 LEVELS = {"lockstep.logs": 0, "lockstep.lazy": 0, "lockstep.eager": 0, "lockstep.optim": 0,
-          "lockstep.seeding": 0,
+          "lockstep.seeding": 0, "lockstep.cores": 0,
           "lockstep.comm": 1, "lockstep.replication": 2, "lockstep.sharding": 3,
           "lockstep.lowcomm": 3, "lockstep.elastic": 4,
           "lockstep.advisor": 4,  # predictions of every mode, which the Trainer can ask for

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 import lockstep
+from lockstep.cores import machine_cores
 from lockstep.demo import data
 from lockstep.demo.models import small_cnn
-from lockstep.launch.run import LaunchSpec, machine_cores, run
+from lockstep.launch.run import LaunchSpec, run
 from lockstep.training.runlog import read_metrics
 
 SUMMARY = "summary.json"

@@ -29,6 +29,7 @@ from lockstep.comm import watchdog
 from lockstep.comm import world as world_module
 from lockstep.comm.diagnostics import reporter
 from lockstep.comm.ledger import ledger
+from lockstep.cores import share_cores
 from lockstep.logs import setup_logging
 
 _ROOT_LOGGER = "lockstep"
@@ -233,6 +234,7 @@ def install(membership: Membership, store: dist.Store, backend: str,
     dist.init_process_group(backend, store=prefix, rank=membership.rank,
                             world_size=membership.world_size, timeout=timeout,
                             device_id=device if backend == "nccl" else None)
+    share_cores(membership.hosts.count(membership.hosts[membership.rank]))  # (uneven too)
     current = world_module.World(membership.rank, membership.world_size, local_rank,
                                  local_size, device, backend, timeout)
     world_module.adopt(current)

@@ -25,11 +25,12 @@ from types import FrameType
 
 import torch.distributed as dist
 
+from lockstep.cores import AUTO_THREADS, threads_per_worker
 from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
 from lockstep.elastic.heartbeat import Liveness
 from lockstep.elastic.store import PREFIX
-from lockstep.launch.run import LaunchSpec, refused, threads_per_worker
+from lockstep.launch.run import LaunchSpec, refused
 
 _JOB_KEY = PREFIX + "job"
 _SAY = "lockstep run --elastic:"
@@ -133,9 +134,11 @@ def _start(spec: LaunchSpec, endpoint: str, host: str,
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     initial = int(spec.nnodes.split(":")[-1]) * spec.nproc
     env.update({ENV_STORE: endpoint, ENV_INITIAL: str(initial), "LOCKSTEP_HOST": host,
-                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(spec.nproc),
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS")
-                or str(threads_per_worker(spec.nproc))})
+                "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(spec.nproc)})
+    if "OMP_NUM_THREADS" not in env:  # the user's choice wins, and stays
+        # (this launch's share to start with; the worker shares again as the job's
+        # workers on this host come and go: cores.share_cores)
+        env.update({"OMP_NUM_THREADS": str(threads_per_worker(spec.nproc)), AUTO_THREADS: "1"})
     target = ["-m", spec.target] if spec.module else [spec.target]
     return subprocess.Popen([sys.executable, "-u", *target, *spec.args], env=env)
 

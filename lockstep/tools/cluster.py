@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from lockstep.launch.run import HOST_CORES, machine_cores
+from lockstep.cores import HOST_CORES, machine_cores
 from lockstep.logs import get_logger
 from lockstep.tools.etcd_members import EtcdMembers, Member
 from lockstep.tools.hostprocs import stream_all, wait_all
