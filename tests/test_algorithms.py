@@ -5,6 +5,7 @@ the pieces they stand on: host memory's files, a state sent packed to one rank."
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import time
@@ -170,6 +171,49 @@ def test_a_host_memory_dropped_at_once_still_lets_a_slow_peer_map_it_then_closes
     (seen0, _), (seen1, closed1) = world2.run(dropped_right_after_allocating, 0.5)
     assert seen0 == 4 * 2.0 and seen1 == 4 * 1.0  # each read the other's memory
     assert closed1  # the dropped memory's file, closed once the grace had passed
+
+
+def exchanges_in_a_shm_setup() -> tuple[int, int, bool]:
+    """(exchanges of memory files while a shm DataParallel is built, its buckets, whether
+    its first step's gradients are the ranks' average)."""
+    from lockstep.comm.ledger import Ledger
+    from lockstep.replication.replica import DataParallel
+
+    lockstep.init()
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
+                                 torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    replica = copy.deepcopy(module)  # the same start, summed by plain all-reduces
+    labels: list[str] = []
+    issue = Ledger.issue
+
+    def noted(self: Ledger, label: str, *args: object, **kwargs: object) -> object:
+        labels.append(label)
+        return issue(self, label, *args, **kwargs)  # type: ignore[arg-type]
+    Ledger.issue = noted  # type: ignore[assignment,method-assign]
+    try:
+        model = DataParallel(module, bucket_mb=0.01, first_bucket_mb=0.01, algorithm="shm")
+    finally:
+        Ledger.issue = issue  # type: ignore[method-assign]
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(comm.rank_of()))
+    model(x).square().sum().backward()
+    replica(x).square().sum().backward()
+    expected = [p.grad.clone() for p in replica.parameters()]
+    for grad in expected:
+        comm.all_reduce(grad, "the reference's gradients")
+        grad.div_(comm.size_of())
+    averaged = all(torch.allclose(p.grad, e, atol=1e-6)
+                   for p, e in zip(module.parameters(), expected, strict=True))
+    buckets = len(model.reducer.buckets)
+    model.close()
+    return labels.count("shm: exchange bucket files"), buckets, averaged
+
+
+def test_a_shm_wrapper_maps_its_peers_memory_in_one_exchange(world2: World) -> None:
+    """Its barrier's flags, the non-finite flags and every bucket: one exchange of memory
+    files (one each, before: on a join every member sets up again), and the buckets sum."""
+    for exchanges, buckets, averaged in world2.run(exchanges_in_a_shm_setup):
+        assert (exchanges, averaged) == (1, True) and buckets >= 3
 
 
 def odd_tensors() -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import platform
 import threading
 import time
 import weakref
+from typing import Any
 
 import torch
 
@@ -81,45 +82,77 @@ class HostMemory:
     call `allocate` together, with the same sizes, in the same order.
 
     A wrapper's setup allocates a few times, and on a fault-tolerant job's join every member
-    sets up again, so each allocation is one exchange: the ranks' pids ride with their file
-    numbers, and no barrier waits for the peers to map a file before its owner closes it --
-    the owner keeps it open until the peers are known to have mapped it (its next exchange
-    or host barrier: each peer maps before it reaches either), then closes it, before its
-    number can name another file. Dropped before that (a wrapper closed as soon as it was
-    built, while a peer may still be mapping), it leaves its files open for a grace period
-    (`_orphan`)."""
+    sets up again, so exchanges are few: the ranks' pids ride with their file numbers, and
+    no barrier waits for the peers to map a file before its owner closes it -- the owner
+    keeps it open until the peers are known to have mapped it (its next exchange or host
+    barrier: each peer maps before it reaches either), then closes it, before its number
+    can name another file. Dropped before that (a wrapper closed as soon as it was built,
+    while a peer may still be mapping), it leaves its files open for a grace period
+    (`_orphan`). With `deferred`, an allocation exchanges nothing: it returns this rank's
+    own tensor at once, and the peers' entries are filled in by the next `exchange()` --
+    one for everything allocated since (a wrapper's barrier flags, non-finite flags and
+    every bucket: one exchange where each was one)."""
 
-    def __init__(self, group: comm.Group) -> None:
+    def __init__(self, group: comm.Group, deferred: bool = False) -> None:
         reason = shm_available()
         if reason is not None:
             raise RuntimeError(f"rank {comm.rank_of()}: {reason}")
         self.group = group
         self.local_rank = comm.rank_of(group)
+        self.deferred = deferred
         self.pids: list[int] = []  # the host's ranks', in local-rank order (from `allocate`)
         self.count = 0
         self.peers: list[weakref.ref[torch.Tensor]] = []  # their memory (peers_storages)
         self._unsettled: list[int] = []  # files of ours a peer may not have mapped yet
+        # ours not yet exchanged: (file, its views in local-rank order, numel, dtype); a
+        # HostMemory dropped before its exchange closes them (no peer knows of them)
+        self.pending: list[tuple[int, list[torch.Tensor], int, torch.dtype]] = []
         weakref.finalize(self, _orphan, self._unsettled)
+        weakref.finalize(self, _close_pending, self.pending)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A zeroed tensor of `numel` elements per rank on the host, in local-rank order;
-        entry `local_rank` is this rank's own (the others are its peers', mapped)."""
+        entry `local_rank` is this rank's own (the others are its peers', mapped -- with
+        `deferred`, once `exchange()` has run: until then they are empty)."""
         nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
         fd = os.memfd_create(f"lockstep-bucket-{self.count}", os.MFD_CLOEXEC)
         self.count += 1
         try:
             os.ftruncate(fd, nbytes)  # fresh pages read as zeros
-            peers = comm.all_gather_ints((os.getpid(), fd), "shm: exchange bucket files",
-                                         self.group)
         except BaseException:
             os.close(fd)
             raise
-        self.settled()  # every peer is past its last allocation: it mapped our files
-        self._unsettled.append(fd)  # the mappings keep the memory; no name to clean up
-        self.pids = [pid for pid, _ in peers]
-        views = [self._map(pid, peer_fd, numel, dtype) for pid, peer_fd in peers]
-        self.peers += [weakref.ref(view) for r, view in enumerate(views) if r != self.local_rank]
+        views = [torch.empty(0, dtype=dtype)] * comm.size_of(self.group)
+        views[self.local_rank] = torch.from_file(f"/proc/self/fd/{fd}", shared=True,
+                                                 size=numel, dtype=dtype)
+        self.pending.append((fd, views, numel, dtype))
+        if not self.deferred:
+            self.exchange()
         return views
+
+    def exchange(self) -> None:
+        """Map the peers' files for everything allocated since the last exchange: one
+        all-gather of every rank's pid and file numbers. Collective over the host's ranks."""
+        if not self.pending:
+            return
+        pending = self.pending[:]
+        self.pending.clear()
+        fds = [fd for fd, _, _, _ in pending]
+        try:
+            peers = comm.all_gather_ints((os.getpid(), *fds), "shm: exchange bucket files",
+                                         self.group)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        self.settled()  # every peer is past its last exchange: it mapped our files
+        self._unsettled.extend(fds)  # the mappings keep the memory; no name to clean up
+        self.pids = [pid for pid, *_ in peers]
+        for k, (_, views, numel, dtype) in enumerate(pending):
+            for r, (pid, *theirs) in enumerate(peers):
+                if r != self.local_rank:
+                    views[r] = self._map(pid, theirs[k], numel, dtype)
+                    self.peers.append(weakref.ref(views[r]))
 
     def settled(self) -> None:
         """Every peer has mapped what this rank allocated before now (they reached a host
@@ -141,6 +174,11 @@ class HostMemory:
                 f"rank {comm.rank_of()}: shm: mapping local rank {local}'s memory (pid {pid}) "
                 f"failed -- it exited or failed while the host's ranks set up: "
                 f"{str(error).splitlines()[0]}") from None
+
+
+def _close_pending(pending: list[tuple[int, list[torch.Tensor], int, torch.dtype]]) -> None:
+    _close_all([fd for fd, *_ in pending])
+    pending.clear()
 
 
 def _close_all(fds: list[int]) -> None:
@@ -204,8 +242,9 @@ class HostBarrier:
     def __init__(self, memory: HostMemory, timeout_s: float) -> None:
         self.memory, self.timeout_s = memory, timeout_s
         self.spin = platform.machine() in ("x86_64", "AMD64", "i686")
-        flags = memory.allocate(1, torch.int64) if self.spin else []
-        self.flags = [flag.numpy() for flag in flags]  # numpy: cheap scalar reads
+        # (with a deferred HostMemory, the peers' flags are mapped at its exchange)
+        self._flags = memory.allocate(1, torch.int64) if self.spin else []
+        self._read: list[Any] | None = None
         self.generation = 0
 
     def wait(self, what: str, in_backward: bool = False) -> None:
@@ -222,6 +261,9 @@ class HostBarrier:
     def _wait(self, what: str) -> None:
         if stophook.armed is not None and self.memory.group is None:  # the job's ranks,
             stophook.run_armed()  # all on this host: no step passes it without each
+        # Memory allocated deferred and not exchanged yet (its owner did not connect()):
+        # here, where every rank of the host arrives at the same point
+        self.memory.exchange()
         if not self.spin:
             comm.barrier(what, self.memory.group)
             self.memory.settled()
@@ -253,12 +295,22 @@ class HostBarrier:
         ledger.launched(record, None)
         self.memory.settled()
 
+    @property
+    def flags(self) -> list[Any]:
+        """Every rank's flag, as numpy (cheap scalar reads), once the peers' are mapped."""
+        if self._read is None:
+            if self.memory.pending:
+                raise RuntimeError(f"rank {comm.rank_of()}: a host barrier was used before "
+                                   "its HostMemory exchanged its files (exchange())")
+            self._read = [flag.numpy() for flag in self._flags]
+        return self._read
+
     def leave(self) -> None:
         """Say this rank will reach no more of these barriers (its wrapper closed, or its
         process is exiting): a peer waiting in one fails at its next look, not at its
         timeout -- and before a launcher that saw this process end stops it."""
         if self.spin:  # negative: left, having reached generation -flag - 1
-            self.flags[self.memory.local_rank][0] = -self.generation - 1
+            self._flags[self.memory.local_rank][0] = -self.generation - 1  # (own: mapped)
 
     def _still_late(self, what: str, waited: float, record: Record | None) -> bool:
         """Whether some peer has not reached this barrier yet. Fail once the timeout has

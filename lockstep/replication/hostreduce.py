@@ -41,7 +41,9 @@ class HostSlices:
     def __init__(self, topology: Topology, timeout_s: float, in_backward: bool) -> None:
         self.topology = topology
         self.in_backward = in_backward  # buckets summed on backward's thread (not a worker)
-        self.memory = HostMemory(topology.local_group)
+        # Deferred: the barrier's flags, the non-finite flags and every bucket are mapped
+        # among the ranks in one exchange, once the buckets are made (connect)
+        self.memory = HostMemory(topology.local_group, deferred=True)
         self.barrier = HostBarrier(self.memory, timeout_s)
         self.me, self.size = topology.local_rank, topology.local_world_size
         self._peers: dict[int, list[torch.Tensor]] = {}  # own data_ptr -> every rank's buffer
@@ -159,6 +161,9 @@ class _OnHost:
 
     def free(self, flat: torch.Tensor) -> None:
         self.host.free(flat)
+
+    def connect(self) -> None:
+        self.host.memory.exchange()
 
     def finish(self, buckets: Sequence[Bucket]) -> None:
         self.host.end_of_backward()

@@ -106,6 +106,7 @@ class Reducer:
                                f"({spec.numel} x {spec.dtype})", self.reduction,
                                self.finite.extra if k == len(specs) - 1 else 0)
                         for k, spec in enumerate(specs)]
+        self.reduction.connect()
         self._comm_ns = [(0, 0)] * len(self.buckets)  # launched, done (if done at once)
         self._where: list[tuple[Bucket, torch.Tensor]] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:

@@ -141,6 +141,10 @@ class Reduction:
     def allocate(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=dtype, device=device)
 
+    def connect(self) -> None:
+        """The buckets are made (all of them, in `Reducer._build`): finish what they need
+        among the ranks (on a host, one exchange maps every peer's memory)."""
+
     def materialize(self, bucket: Bucket) -> None:
         """Make the bucket's memory present before a gradient is written into it."""
 
