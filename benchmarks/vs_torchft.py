@@ -52,7 +52,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from lockstep.cores import threads_per_worker  # noqa: E402
 from lockstep.launch.elastic import free_port  # noqa: E402
 
 WORKERS, PER_WORKER, KILL_AT, VICTIM = 3, 32, 150, 1
@@ -73,7 +72,7 @@ def setup() -> tuple[Any, Any, Any, Any]:
 
     from lockstep.demo.data import mnist
     from lockstep.demo.models import small_cnn
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # every system's workers alike (lockstep's keeps it: cores.py)
     train_set, _ = mnist()
     torch.manual_seed(0)
     net = small_cnn()
@@ -219,13 +218,8 @@ def run_with_a_kill(system: str, out: Path) -> dict[str, float]:
                  f"[::]:{lighthouse}"], **quiet))  # type: ignore[call-overload]
 
             def start(replica: int) -> subprocess.Popen[bytes]:
-                # each its host's share of the cores, as lockstep's launcher gives its
-                # workers and DDP's (torch's default, every core, made three workers
-                # fight over two cores)
                 env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse}",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                       "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")
-                       or str(threads_per_worker(WORKERS))}
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
                 return subprocess.Popen(  # type: ignore[call-overload]
                     [sys.executable, *worker_command("torchft", str(out), str(ENDLESS),
                                                      str(replica))], env=env, **quiet)

@@ -24,8 +24,11 @@ HOST_CORES = "LOCKSTEP_HOST_CORES"
 by `lockstep cluster`, whose emulated hosts share this machine's cores (tools/cluster.py)."""
 
 AUTO_THREADS = "LOCKSTEP_AUTO_THREADS"
-"""Set by the elastic launcher where it chose OMP_NUM_THREADS itself: the worker may choose
-again as its host's share of the job changes (a user's OMP_NUM_THREADS is left alone)."""
+"""Set by the elastic launcher to the threads it chose for OMP_NUM_THREADS (the user set
+none): the worker may choose again as its host's share of the job changes. A user's
+OMP_NUM_THREADS, or a script's own torch.set_num_threads, is left alone."""
+
+_ours: int | None = None  # the threads share_cores last set in this process
 
 
 def machine_cores() -> int:
@@ -42,11 +45,18 @@ def threads_per_worker(nproc: int) -> int:
 
 def share_cores(local_workers: int) -> None:
     """Give this worker its share of the host's cores among `local_workers` of the job,
-    where the launcher chose its threads (AUTO_THREADS)."""
-    if os.environ.get(AUTO_THREADS) != "1":
+    where the launcher chose its threads (AUTO_THREADS) and the script has not set its own
+    since (torch reads the launcher's number capped at the machine's cores)."""
+    global _ours
+    launched = os.environ.get(AUTO_THREADS, "")
+    if not launched.isdigit():
+        return
+    ours = {_ours} if _ours is not None else {int(launched), min(int(launched), machine_cores())}
+    if torch.get_num_threads() not in ours:  # the script's own choice: it stays
         return
     threads = threads_per_worker(local_workers)
     if torch.get_num_threads() != threads:
         log.info("%d worker(s) of the job on this host: %d intra-op thread(s) each, where "
                  "this worker had %d", local_workers, threads, torch.get_num_threads())
         torch.set_num_threads(threads)
+    _ours = threads

@@ -79,7 +79,8 @@ def peers_mappable(group: comm.Group, eligible: bool = True) -> bool:
 
 class HostMemory:
     """Allocates host-shared tensors. Collective over `group`: the ranks on this host must
-    call `allocate` together, with the same sizes, in the same order.
+    call `allocate` together, with the same sizes, in the same order (with `deferred`, the
+    collective is `exchange()`, or the first host barrier after the allocations).
 
     A wrapper's setup allocates a few times, and on a fault-tolerant job's join every member
     sets up again, so exchanges are few: the ranks' pids ride with their file numbers, and
@@ -100,7 +101,7 @@ class HostMemory:
         self.group = group
         self.local_rank = comm.rank_of(group)
         self.deferred = deferred
-        self.pids: list[int] = []  # the host's ranks', in local-rank order (from `allocate`)
+        self.pids: list[int] = []  # the host's ranks', in local-rank order (from `exchange`)
         self.count = 0
         self.peers: list[weakref.ref[torch.Tensor]] = []  # their memory (peers_storages)
         self._unsettled: list[int] = []  # files of ours a peer may not have mapped yet
@@ -113,18 +114,19 @@ class HostMemory:
     def allocate(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """A zeroed tensor of `numel` elements per rank on the host, in local-rank order;
         entry `local_rank` is this rank's own (the others are its peers', mapped -- with
-        `deferred`, once `exchange()` has run: until then they are empty)."""
+        `deferred`, once `exchange()` has run: until then they are empty, so a view taken
+        of a peer's entry before then keeps the empty one)."""
         nbytes = max(1, numel) * torch.empty((), dtype=dtype).element_size()
         fd = os.memfd_create(f"lockstep-bucket-{self.count}", os.MFD_CLOEXEC)
         self.count += 1
+        views = [torch.empty(0, dtype=dtype)] * comm.size_of(self.group)
         try:
             os.ftruncate(fd, nbytes)  # fresh pages read as zeros
+            views[self.local_rank] = torch.from_file(f"/proc/self/fd/{fd}", shared=True,
+                                                     size=numel, dtype=dtype)
         except BaseException:
-            os.close(fd)
+            os.close(fd)  # (no peer knows of it yet)
             raise
-        views = [torch.empty(0, dtype=dtype)] * comm.size_of(self.group)
-        views[self.local_rank] = torch.from_file(f"/proc/self/fd/{fd}", shared=True,
-                                                 size=numel, dtype=dtype)
         self.pending.append((fd, views, numel, dtype))
         if not self.deferred:
             self.exchange()
@@ -142,8 +144,9 @@ class HostMemory:
             peers = comm.all_gather_ints((os.getpid(), *fds), "shm: exchange bucket files",
                                          self.group)
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            # The exchange may have completed on a peer, now mapping them: closed at once,
+            # their numbers could name this rank's next files (a regroup's) under it
+            _orphan(fds)
             raise
         self.settled()  # every peer is past its last exchange: it mapped our files
         self._unsettled.extend(fds)  # the mappings keep the memory; no name to clean up
@@ -155,8 +158,9 @@ class HostMemory:
                     self.peers.append(weakref.ref(views[r]))
 
     def settled(self) -> None:
-        """Every peer has mapped what this rank allocated before now (they reached a host
-        barrier or an exchange after it): close its files (and any orphans' that are due)."""
+        """Every peer has mapped what this rank exchanged before now (they reached a host
+        barrier or an exchange after it): close those files (and any orphans' that are due).
+        Files allocated and not exchanged yet stay open (`pending`)."""
         _close_all(self._unsettled)
         if _ORPHANS:
             _close_orphans()
@@ -344,16 +348,15 @@ class HostFlags:
     and one between the sum and any rank's next write."""
 
     def __init__(self, memory: HostMemory, numel: int, dtype: torch.dtype) -> None:
-        self.slots = memory.allocate(numel, dtype)  # (collective on the host)
+        self.slots = memory.allocate(numel, dtype)  # (see HostMemory: collective)
         self.me = memory.local_rank
 
     def share(self, flags: torch.Tensor) -> _SumOfSlots | None:
         """Write this rank's `flags`; None for a tensor these slots were not made for."""
-        slots = self.slots
-        if slots[0].shape != flags.shape or slots[0].dtype != flags.dtype \
-                or slots[0].device != flags.device:
+        slots, mine = self.slots, self.slots[self.me]  # (mine: mapped even before exchange)
+        if mine.shape != flags.shape or mine.dtype != flags.dtype or mine.device != flags.device:
             return None
-        slots[self.me].copy_(flags)
+        mine.copy_(flags)
         return _SumOfSlots(slots, flags)
 
 

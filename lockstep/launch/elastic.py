@@ -130,17 +130,25 @@ def free_port() -> int:
 
 def _start(spec: LaunchSpec, endpoint: str, host: str,
            local_rank: int) -> subprocess.Popen[bytes]:
+    target = ["-m", spec.target] if spec.module else [spec.target]
+    return subprocess.Popen([sys.executable, "-u", *target, *spec.args],
+                            env=worker_env(spec, endpoint, host, local_rank))
+
+
+def worker_env(spec: LaunchSpec, endpoint: str, host: str, local_rank: int
+               ) -> dict[str, str]:
+    """A worker's environment: this launcher's, with the job's store, its host and its
+    threads (the user's OMP_NUM_THREADS, or this host's share of the cores -- which the
+    worker takes again as the job's workers on its host change: cores.share_cores)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", AUTO_THREADS)}
     initial = int(spec.nnodes.split(":")[-1]) * spec.nproc
     env.update({ENV_STORE: endpoint, ENV_INITIAL: str(initial), "LOCKSTEP_HOST": host,
                 "LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(spec.nproc)})
-    if "OMP_NUM_THREADS" not in env:  # the user's choice wins, and stays
-        # (this launch's share to start with; the worker shares again as the job's
-        # workers on this host come and go: cores.share_cores)
-        env.update({"OMP_NUM_THREADS": str(threads_per_worker(spec.nproc)), AUTO_THREADS: "1"})
-    target = ["-m", spec.target] if spec.module else [spec.target]
-    return subprocess.Popen([sys.executable, "-u", *target, *spec.args], env=env)
+    if not env.get("OMP_NUM_THREADS"):  # the user's choice wins, and stays
+        threads = str(threads_per_worker(spec.nproc))
+        env.update({"OMP_NUM_THREADS": threads, AUTO_THREADS: threads})
+    return env
 
 
 def _worker_id(store: dist.Store, host: str, pid: int) -> int | None:

@@ -120,7 +120,7 @@ class HostSlices:
         return self._flags.share(flags) if self._flags is not None else None
 
     def make_flag_slots(self, numel: int, dtype: torch.dtype) -> None:
-        """Host memory for `share_flags` (collective on the host, as `allocate`)."""
+        """Host memory for `share_flags` (allocated as the buckets are, mapped with them)."""
         self._flags = HostFlags(self.memory, numel, dtype)
 
     def close(self) -> None:
