@@ -15,13 +15,14 @@ process that has started threads).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -175,3 +176,22 @@ class World:
 
 def _name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@contextlib.contextmanager
+def collectives_issued() -> Iterator[list[str]]:
+    """The labels of the collectives this process issues inside the block, in order (as
+    the stall watchdog's ledger numbers them): for checks of how many a path makes."""
+    from lockstep.comm.ledger import Ledger
+
+    labels: list[str] = []
+    issue = Ledger.issue
+
+    def noted(self: Ledger, label: str, *args: Any, **kwargs: Any) -> Any:
+        labels.append(label)
+        return issue(self, label, *args, **kwargs)
+    Ledger.issue = noted  # type: ignore[method-assign]
+    try:
+        yield labels
+    finally:
+        Ledger.issue = issue  # type: ignore[method-assign]

@@ -24,7 +24,7 @@ from lockstep.replication.choices import (
     make_algorithm,
     resolve_algorithm,
 )
-from lockstep.testing import World
+from lockstep.testing import World, collectives_issued
 from tests.models import batch, digest, loss_of, make_model, make_optimizer
 from tests.test_precision_compression import check_compression
 
@@ -176,7 +176,6 @@ def test_a_host_memory_dropped_at_once_still_lets_a_slow_peer_map_it_then_closes
 def exchanges_in_a_shm_setup() -> tuple[int, int, bool]:
     """(exchanges of memory files while a shm DataParallel is built, its buckets, whether
     its first step's gradients are the ranks' average)."""
-    from lockstep.comm.ledger import Ledger
     from lockstep.replication.replica import DataParallel
 
     lockstep.init()
@@ -184,17 +183,8 @@ def exchanges_in_a_shm_setup() -> tuple[int, int, bool]:
     module = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(),
                                  torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
     replica = copy.deepcopy(module)  # the same start, summed by plain all-reduces
-    labels: list[str] = []
-    issue = Ledger.issue
-
-    def noted(self: Ledger, label: str, *args: object, **kwargs: object) -> object:
-        labels.append(label)
-        return issue(self, label, *args, **kwargs)  # type: ignore[arg-type]
-    Ledger.issue = noted  # type: ignore[assignment,method-assign]
-    try:
+    with collectives_issued() as labels:
         model = DataParallel(module, bucket_mb=0.01, first_bucket_mb=0.01, algorithm="shm")
-    finally:
-        Ledger.issue = issue  # type: ignore[method-assign]
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(comm.rank_of()))
     model(x).square().sum().backward()
     replica(x).square().sum().backward()

@@ -16,7 +16,7 @@ import torch
 import lockstep
 from lockstep.lowcomm.streaming import StreamingDiLoCo, layer_units, plan_fragments
 from lockstep.replication import wireformat
-from lockstep.testing import World
+from lockstep.testing import World, collectives_issued
 from tests.models import digest, make_model
 from tests.test_elastic import ROOT, _check_history, _kill_and_rejoin
 from tests.test_lowcomm import gap, run
@@ -168,6 +168,27 @@ def test_a_diverged_replica_is_named_on_every_rank(world2: World, wire: str) -> 
     for rank, said in enumerate(world2.run(diverged, wire)):
         assert said.startswith(f"rank {rank}: streaming DiLoCo fragment 0") and \
             "not finite on rank(s) [1]" in said, said
+
+
+def collectives_of_three_steps(wire: str) -> list[str]:
+    """The collectives 3 inner steps of 2 fragments (H=2) issue."""
+    lockstep.init()
+    torch.manual_seed(0)
+    model = StreamingDiLoCo(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)),
+                            every=2, fragments=2, overlap=1, wire=wire)
+    with collectives_issued() as labels:
+        for _ in range(3):
+            model.after_step()
+    return labels
+
+
+@pytest.mark.parametrize("wire", ["full", "int4"])
+def test_a_fragments_exchange_is_its_one_collective(world2: World, wire: str) -> None:
+    """Whether each rank's pseudo-gradient is finite rides with it (checked on arrival,
+    test_a_diverged_replica_is_named_on_every_rank): no blocking exchange of flags beside
+    each send, as there was. Fragment 0 goes at steps 1 and 3, fragment 1 at step 2."""
+    expected = [f"streaming DiLoCo fragment {k} exchange" for k in (0, 1, 0)]
+    assert world2.run(collectives_of_three_steps, wire) == [expected, expected]
 
 
 def batchnorm_after_finish(mixing: float) -> list[float]:

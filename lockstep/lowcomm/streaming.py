@@ -74,6 +74,7 @@ class _Exchange:
     received: torch.Tensor  # the all-reduced sum, or every rank's encoded bytes
     numel: int
     averaged: torch.Tensor | None = None  # once waited for
+    sent_at: int = -1  # the inner step it was sent at
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -163,39 +164,33 @@ class StreamingDiLoCo(DiLoCo):
 
     def _send(self, k: int, due: int) -> None:
         delta = self._pseudo_gradient(self.fragments[k])
-        self._check_finite(k, delta)
+        # Whether each rank's pseudo-gradient is finite rides with it (a slot per rank,
+        # after it): a NaN or inf would spoil every replica's copy of the fragment, and
+        # the 8- and 4-bit formats would hide it. Checked on arrival, before it is applied
+        # -- not by a blocking exchange of its own at every send.
+        rank, size = comm.rank_of(self.group), comm.size_of(self.group)
+        bad = not bool(torch.isfinite(delta).all())
         what = f"streaming DiLoCo fragment {k} exchange"
         with timeline.span(f"{what} sent", "comm"), stophook.awaited_later():
             if self.wire == "full":
-                pending = comm.all_reduce_async(delta, what, self.group)
-                received, sent = delta, delta.numel() * delta.element_size()
+                received = torch.cat([delta, delta.new_zeros(size)])
+                received[delta.numel() + rank] = float(bad)
+                pending = comm.all_reduce_async(received, what, self.group)
+                sent = received.numel() * received.element_size()
             else:
-                received, pending, sent = self._send_encoded(k, delta, what)
+                received, pending, sent = self._send_encoded(k, delta, bad, what)
         self._round_bytes += sent
-        self.in_flight[k] = _Exchange(due, pending, received, delta.numel())
+        self.in_flight[k] = _Exchange(due, pending, received, delta.numel(),
+                                      sent_at=self.local_steps)
         if k == len(self.fragments) - 1:  # buffers (BatchNorm's statistics): once a round
             self._average(list(self.module.buffers()), "streaming DiLoCo buffer average")
 
-    def _check_finite(self, k: int, delta: torch.Tensor) -> None:
-        """A NaN or inf in any rank's pseudo-gradient would spoil every replica's copy of
-        the fragment (and the 8- and 4-bit formats would hide it): every rank raises,
-        naming the ranks whose training diverged. One small all-reduce per exchange."""
-        rank, size = comm.rank_of(self.group), comm.size_of(self.group)
-        flags = comm.control_tensor([0] * size, self.group)
-        flags[rank] = int(not bool(torch.isfinite(delta).all()))
-        comm.all_reduce(flags, f"streaming DiLoCo fragment {k}: finite everywhere?", self.group)
-        diverged = [r for r, bad in enumerate(flags.tolist()) if bad]
-        if diverged:
-            raise FloatingPointError(
-                f"rank {rank}: streaming DiLoCo fragment {k}'s pseudo-gradient at inner step "
-                f"{self.local_steps} is not finite on rank(s) {diverged}: their training "
-                "diverged (a NaN or inf loss) since the fragment last synced. Lower the "
-                "learning rate, or clip gradients (grad_clip_norm)")
-
-    def _send_encoded(self, k: int, delta: torch.Tensor,
+    def _send_encoded(self, k: int, delta: torch.Tensor, bad: bool,
                       what: str) -> tuple[torch.Tensor, comm.Pending, int]:
-        payload = wireformat.encode_keeping(  # what rounding takes goes with the next one
+        encoded = wireformat.encode_keeping(  # what rounding takes goes with the next one
             self.wire, delta.float(), None if self.residuals is None else self.residuals[k])
+        # then 4 bytes, the first a flag (4: each rank's row keeps the scales aligned)
+        payload = torch.cat([encoded, encoded.new_tensor([int(bad), 0, 0, 0])])
         received = payload.new_empty(payload.numel() * comm.size_of(self.group))
         return received, comm.all_gather_async(received, payload, what, self.group), \
             payload.numel()
@@ -210,10 +205,22 @@ class StreamingDiLoCo(DiLoCo):
                 except Exception:
                     del self.in_flight[k]  # dropped whole: the fragment goes again
                     raise
-            size = comm.size_of(self.group)
-            total = exchange.received if self.wire == "full" else \
-                wireformat.decode_sum(self.wire, exchange.received.view(size, -1),
-                                      exchange.numel)  # every rank's bytes, summed in fp32
+            size, numel = comm.size_of(self.group), exchange.numel
+            if self.wire == "full":
+                total, flags = exchange.received[:numel], exchange.received[numel:]
+            else:  # every rank's bytes, summed in fp32
+                rows = exchange.received.view(size, -1)
+                total = wireformat.decode_sum(self.wire, rows[:, :-4], numel)
+                flags = rows[:, -4]
+            diverged = [r for r, bad in enumerate(flags.tolist()) if bad]
+            if diverged:
+                del self.in_flight[k]
+                raise FloatingPointError(
+                    f"rank {comm.rank_of(self.group)}: streaming DiLoCo fragment {k}'s "
+                    f"pseudo-gradient at inner step {exchange.sent_at} is not finite on "
+                    f"rank(s) {diverged}: their training diverged (a NaN or inf loss) since "
+                    "the fragment last synced. Lower the learning rate, or clip gradients "
+                    "(grad_clip_norm)")
             exchange.averaged = total.div_(size)
         return exchange.averaged
 
