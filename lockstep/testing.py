@@ -180,18 +180,19 @@ def _name(fn: Callable[..., Any]) -> str:
 
 @contextlib.contextmanager
 def collectives_issued() -> Iterator[list[str]]:
-    """The labels of the collectives this process issues inside the block, in order (as
-    the stall watchdog's ledger numbers them): for checks of how many a path makes."""
-    from lockstep.comm.ledger import Ledger
+    """The labels of the collectives (and host barriers) this process issues inside the
+    block, group by group in the order each issued them, as the stall watchdog's ledger
+    numbers them (it is on in a World): filled in as the block ends."""
+    from lockstep.comm.ledger import ledger
+
+    def newest() -> dict[str, int]:
+        return {key: max((n for n, _, _ in ledger.recent(key, 1)), default=0)
+                for key in list(ledger.history)}
 
     labels: list[str] = []
-    issue = Ledger.issue
-
-    def noted(self: Ledger, label: str, *args: Any, **kwargs: Any) -> Any:
-        labels.append(label)
-        return issue(self, label, *args, **kwargs)
-    Ledger.issue = noted  # type: ignore[method-assign]
+    before = newest()
     try:
         yield labels
     finally:
-        Ledger.issue = issue  # type: ignore[method-assign]
+        labels += [label for key, last in newest().items() if last > before.get(key, 0)
+                   for _, _, label in ledger.recent(key, last - before.get(key, 0))]

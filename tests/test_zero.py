@@ -13,7 +13,7 @@ import lockstep
 from lockstep.replication.nonfinite import NonFiniteGradientError
 from lockstep.sharding.staging import Staging
 from lockstep.sharding.zero import padded, plan_units, shard_range
-from lockstep.testing import World
+from lockstep.testing import World, collectives_issued
 from tests.models import batch, digest, loss_of, make_model
 
 STEPS, PER_RANK = 15, 8
@@ -188,31 +188,24 @@ def test_a_forward_after_a_load_reads_every_ranks_new_shards(world: World) -> No
 def steps_on_one_host(stage: int, algorithm: str = "shm") -> tuple[list[str], str]:
     """What the second step waited on (the ledger records every collective and host
     barrier), and the error of the third, whose input holds a NaN on the last rank."""
-    from lockstep.comm.ledger import ledger
-
-    def issued_since(seen: dict[object, int]) -> list[str]:
-        return [label for key in ledger.history for n, _, label in ledger.recent(key, 500)
-                if n > seen.get(key, 0)]
-
     world = lockstep.init()
     model = lockstep.shard(make_model("mlp"), stage, algorithm=algorithm, bucket_mb=0.004,
                            first_bucket_mb=0.004)
     opt = model.make_optimizer(torch.optim.AdamW, lr=1e-2)
     labels: list[str] = []
     for step in range(1, 4):
-        seen = {key: max((n for n, _, _ in ledger.recent(key, 1)), default=0)
-                for key in ledger.history}
         x, y = batch("mlp", step * world.world_size + world.rank, 8)
         if step == 3 and world.rank == world.world_size - 1:
             x[0, 0] = float("nan")
-        try:
-            loss_of("mlp", model, x, y).backward()
-        except NonFiniteGradientError as caught:
-            return labels, str(caught)
-        opt.step()
-        opt.zero_grad()
+        with collectives_issued() as issued:
+            try:
+                loss_of("mlp", model, x, y).backward()
+            except NonFiniteGradientError as caught:
+                return labels, str(caught)
+            opt.step()
+            opt.zero_grad()
         if step == 2:  # (the first step also builds the optimizer's state)
-            labels = issued_since(seen)
+            labels = issued
     return labels, ""
 
 
