@@ -233,6 +233,36 @@ def test_state_sent_packed_arrives_whole(world2: World) -> None:
     assert world2.run(sent_packed) == [True, True]
 
 
+class _Runs:
+    """Unpickled, it would call print: what a crafted state could smuggle in."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return print, ("unpickling ran code",)
+
+
+def test_a_packed_state_is_unpacked_as_data_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """A joiner unpickles rank 0's state as data: numbers, containers, dtypes, an RNG's
+    numpy state and the classes it names come back; anything else is refused unrun."""
+    import collections
+    import pickle
+    import random
+
+    import numpy as np
+
+    from lockstep.comm import packing
+
+    state = {"step": 3, "order": collections.OrderedDict(a=1.5), "dtype": torch.float64,
+             "python": random.getstate(), "numpy": np.random.get_state(), "at": {2, 3}}
+    obj, tensors = packing.unpack(*packing.pack(state, [torch.arange(3.0)]))
+    assert obj["step"] == 3 and obj["dtype"] is torch.float64 and obj["at"] == {2, 3}
+    assert obj["python"] == state["python"] and np.array_equal(obj["numpy"][1],
+                                                              state["numpy"][1])
+    assert torch.equal(tensors[0], torch.arange(3.0))
+    with pytest.raises(pickle.UnpicklingError, match=r"names builtins\.print"):
+        packing.unpack(*packing.pack({"step": 3, "hook": _Runs()}, []))
+    assert "unpickling ran code" not in capsys.readouterr().out
+
+
 def check_shm_across_hosts_is_refused() -> str:
     world = lockstep.init()
     try:

@@ -167,13 +167,15 @@ def send_packed(obj: Any, tensors: Sequence[torch.Tensor], dst: int, what: str) 
         work.wait()
 
 
-def recv_packed(src: int, what: str) -> tuple[Any, list[torch.Tensor]]:
-    """`obj` and the tensors (on the CPU) that rank `src` sent with send_packed."""
+def recv_packed(src: int, what: str, allow: Sequence[type] = ()
+                ) -> tuple[Any, list[torch.Tensor]]:
+    """`obj` and the tensors (on the CPU) that rank `src` sent with send_packed; `obj`
+    unpickled as data only, and instances of the classes in `allow` (packing.py)."""
     sizes = packing.sizes_buffer()
     recv(sizes, src, what)
     payload = packing.payload_buffer(sizes)
     recv(payload, src, what)
-    return packing.unpack(sizes, payload)
+    return packing.unpack(sizes, payload, allow)
 
 
 def _by_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

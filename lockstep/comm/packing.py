@@ -4,12 +4,14 @@ its size and the buffer, where an object and one tensor per dtype took a round t
 The buffer holds the pickled object, with the tensors' shapes and dtypes, then each
 tensor's bytes, every part starting at a multiple of 16 bytes (so each can be viewed as
 its dtype). Pickled among the ranks of one job -- rank 0's own state, sent to a joiner over
-the job's group, as comm.recv_object and all_gather_object exchange it; nothing from
-outside the job (a file, a user's bytes) is unpickled here.
+the job's group -- and unpickled as data only: containers, numbers, strings, torch's dtypes
+and devices, numpy arrays (an RNG's state) and the classes the caller names; any other
+name in the bytes is refused, never imported or called.
 """
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import pickle
@@ -43,16 +45,45 @@ def payload_buffer(sizes: torch.Tensor) -> torch.Tensor:
     return torch.empty(int(sizes[1]), dtype=torch.uint8)
 
 
-def unpack(sizes: torch.Tensor, payload: torch.Tensor) -> tuple[Any, list[torch.Tensor]]:
-    """`pack`'s object and tensors again (the tensors on the CPU, each its own memory)."""
+def unpack(sizes: torch.Tensor, payload: torch.Tensor, allow: Sequence[type] = ()
+           ) -> tuple[Any, list[torch.Tensor]]:
+    """`pack`'s object and tensors again (the tensors on the CPU, each its own memory).
+    `allow`: classes the object may hold besides plain data (see _DataOnly)."""
     head = int(sizes[0])
-    obj, layout = pickle.loads(payload[:head].numpy().tobytes())
+    obj, layout = _DataOnly(io.BytesIO(payload[:head].numpy().tobytes()), allow).load()
     tensors, start = [], _aligned(head)
     for shape, dtype in layout:
         nbytes = math.prod(shape) * dtype.itemsize
         tensors.append(payload[start:start + nbytes].view(dtype).reshape(shape).clone())
         start += _aligned(nbytes)
     return obj, tensors
+
+
+_DATA = {("builtins", "set"), ("builtins", "frozenset"), ("builtins", "complex"),
+         ("collections", "OrderedDict"), ("torch", "device"), ("numpy", "ndarray"),
+         ("numpy", "dtype"), ("numpy._core.multiarray", "_reconstruct"),
+         ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "scalar"),
+         ("numpy.core.multiarray", "scalar")}
+
+
+class _DataOnly(pickle.Unpickler):
+    """An unpickler that finds only the names plain data needs (and `allow`): a pickle
+    naming anything else -- a function to call, a class to build -- is refused."""
+
+    def __init__(self, file: io.BytesIO, allow: Sequence[type]) -> None:
+        super().__init__(file)
+        self.allow = {(c.__module__, c.__qualname__): c for c in allow}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.allow:
+            return self.allow[module, name]
+        if (module, name) in _DATA or (module == "torch" and
+                                       isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"a packed state names {module}.{name}, which is not plain data (containers, "
+            "numbers, strings, torch dtypes and devices, numpy arrays) nor one of "
+            f"{sorted(f'{m}.{n}' for m, n in self.allow)}: refused, not run")
 
 
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:

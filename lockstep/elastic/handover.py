@@ -11,8 +11,9 @@ usual case), rank 0 sends it to that rank alone and the others go on -- over a C
 in two messages, its size and then one buffer of everything; otherwise tensors travel as
 broadcasts, one per dtype, and ranks that are already level take part but keep their own
 state. The layout the tensors need (the optimizer state's shapes, the objects) is pickled
-among the ranks -- peers of one job, as with every object lockstep's ranks exchange;
-nothing from outside the job is unpickled.
+among the ranks -- peers of one job, as with every object lockstep's ranks exchange (sent
+to one rank, it is unpickled as data only: comm/packing.py); nothing from outside the job
+is unpickled.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _hand_to_one(module: nn.Module, optimizer: torch.optim.Optimizer | None, wra
     if not receive:
         return objects
     if packed:
-        layout, tensors = comm.recv_packed(SOURCE, what)
+        layout, tensors = comm.recv_packed(SOURCE, what, allow=(_Slot,))
     else:
         layout = comm.recv_object(SOURCE, "handover: the layout of rank 0's state")
         tensors = _empty_like_slots(layout)
