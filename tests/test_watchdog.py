@@ -167,13 +167,15 @@ def _a_rank_naps() -> tuple[float, list[tuple[float, str]]]:
 
 def test_a_rank_asleep_in_python_is_named_with_the_line_it_sleeps_on(world: World) -> None:
     results = world.run(_a_rank_naps)
-    assert results[2][1] == []  # the sleeper itself has nothing to wait for
+    # The sleeper itself has nothing to wait for. (This test's collective: an earlier test's
+    # stall may still be told as this one begins -- see the stopped rank's test.)
+    assert [text for _, text in results[2][1] if "the sum after a nap" in text] == [], \
+        results[2][1]
     warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
-                if "has waited" in text]
+                if "has waited" in text and '"test: the sum after a nap"' in text]
     assert len(warnings) == 2, results  # one per waiting rank
     for after, text in warnings:
         assert STALL_S <= after < STALL_S + 5, warnings
-        assert 'has waited' in text and '"test: the sum after a nap"' in text
         assert "rank 2 did not reach it" in text and "rank 2: in step" in text
     for _, seen in results[:2]:
         assert 'finished after all' in seen[-1][1] and '"test: the sum after a nap"' \
@@ -242,13 +244,16 @@ def _a_rank_is_stopped() -> tuple[float, list[tuple[float, str]]]:
 
 def test_a_stopped_rank_is_named_with_its_last_progress(world: World) -> None:
     results = world.run(_a_rank_is_stopped)
-    assert results[2][1] == []
+    # The stopped rank blames nobody for the sum it held up. (About this test's collective
+    # only: on a loaded machine an earlier test's host barrier was once still being told
+    # "finished after all" by rank 2's watchdog as this one began.)
+    assert [text for _, text in results[2][1] if "a stopped rank holds up" in text] == [], \
+        results[2][1]
     warnings = [(at - started, text) for started, seen in results[:2] for at, text in seen
-                if "has waited" in text]
+                if "has waited" in text and '"test: the sum a stopped rank holds up"' in text]
     assert len(warnings) == 2, results
     for after, text in warnings:
         assert STALL_S <= after < STALL_S + 5, warnings
-        assert '"test: the sum a stopped rank holds up"' in text
         assert 'rank 2: in step' in text
         assert '"test: the last sum before the stop"' in text  # its last progress
     full = [text for _, text in warnings if "reports their stacks" not in text]
