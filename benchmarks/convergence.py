@@ -89,6 +89,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-10-int4-o1": _streaming(10, int4=True, overlap=1),
     "Streaming-10-int4-a.75": _streaming(10, int4=True, mixing=0.75),
     "Streaming-5-int4": _streaming(5, int4=True, overlap=1),
+    # With 4 workers the mixing's best is still the paper's 0.5 (H=5, overlap 1, 1000
+    # steps: 0.25 ended +8.5%, 0.5 +4.9%, 0.75 +6.8%), and the recipe's inner learning rate
+    # (2e-3 ended +6.3%; 4.5e-3 at H=10 trailed too, below)
+    "Streaming-5-int4-a.75": _streaming(5, int4=True, overlap=1, mixing=0.75),
+    "Streaming-5-int4-a.25": _streaming(5, int4=True, overlap=1, mixing=0.25),
+    "Streaming-5-int4-inner.67": {**_streaming(5, int4=True, overlap=1), "lr": 2e-3},
     "Streaming-10-int4-a0": _streaming(10, int4=True, mixing=0.0),
     # other outer settings than the paper's 0.7 / 0.9 (less momentum suits DiLoCo-50 here;
     # at H=10 both ended higher on the char-GPT: +3.3% and +4.8% against +2.5%, seed 0)
