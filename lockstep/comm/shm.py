@@ -273,13 +273,13 @@ class HostBarrier:
             self.memory.settled()
             return
         self.generation += 1
-        mine = self.memory.local_rank
-        self.flags[mine][0] = self.generation
+        flags = self.flags  # (a property: read once, not at every spin)
+        flags[self.memory.local_rank][0] = self.generation
         started, spins = time.monotonic(), 0
         # The stall watchdog sees this wait as it sees any collective's (ledger.py).
         record = ledger.issue(what, self.memory.group)
         look_at, ask_at = started + LOOK_EVERY_S, started + waits.SLICE.total_seconds()
-        while any(flag[0] < self.generation for flag in self.flags):
+        while any(flag[0] < self.generation for flag in flags):
             spins += 1
             if spins < 2000:
                 os.sched_yield()
