@@ -96,6 +96,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "Streaming-5-int4-a.25": _streaming(5, int4=True, overlap=1, mixing=0.25),
     "Streaming-5-int4-inner.67": {**_streaming(5, int4=True, overlap=1), "lr": 2e-3},
     "Streaming-10-int4-a0": _streaming(10, int4=True, mixing=0.0),
+    # replicas of 2 ranks (replica_size=2): with --nproc 4, 2 replicas of 16 sequences a
+    # step, gradients averaged within each every step (MB/step: between the replicas)
+    "Streaming-10-int4-r2": _streaming(10, int4=True, replica_size=2),
+    "Streaming-5-int4-r2": _streaming(5, int4=True, overlap=1, replica_size=2),
     # other outer settings than the paper's 0.7 / 0.9 (less momentum suits DiLoCo-50 here;
     # at H=10 both ended higher on the char-GPT: +3.3% and +4.8% against +2.5%, seed 0)
     "Streaming-20-int4-m.5": _streaming(20, int4=True, outer_lr=1.0, outer_momentum=0.5),

@@ -54,6 +54,10 @@ MODES: dict[str, Any] = {
     "zero2_int8": lambda: lockstep.ShardConfig(stage=2, wire="int8", error_feedback=True),
     "zero3_bf16": lambda: lockstep.ShardConfig(stage=3, wire="bf16", error_feedback=True),
     "sync": lambda: lockstep.SyncConfig(),  # nothing per rank: any world size resumes it
+    # replicas of 2 ranks (of 4): each rank's error feedback is its own piece's
+    "streaming_replicas": lambda: lockstep.StreamingDiLoCoConfig(
+        sync_every=6, fragments=3, overlap=2, wire="int4", error_feedback=True,
+        replica_size=2),
 }
 
 
@@ -61,6 +65,12 @@ MODES: dict[str, Any] = {
                                   "streaming_int4", "zero2_int8", "zero3_bf16"])
 def test_interrupted_run_resumes_bitwise(world2: World, tmp_path: Path, mode: str) -> None:
     for resumed, whole in world2.run(interrupted_and_whole, str(tmp_path), mode):
+        assert resumed == whole
+
+
+def test_replicas_resume_bitwise(world4: World, tmp_path: Path) -> None:
+    for resumed, whole in world4.run(interrupted_and_whole, str(tmp_path),
+                                     "streaming_replicas"):
         assert resumed == whole
 
 

@@ -104,20 +104,7 @@ class _Replica(nn.Module):
 
     def _average(self, tensors: list[torch.Tensor], what: str) -> None:
         """Average float tensors across ranks in place: one all-reduce per dtype."""
-        size = comm.size_of(self.group)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            if t.is_floating_point():
-                by_dtype.setdefault(t.dtype, []).append(t)
-        for group_tensors in by_dtype.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
-            comm.all_reduce(flat, what, self.group)
-            self._round_bytes += flat.numel() * flat.element_size()
-            flat.div_(size)
-            with torch.no_grad():
-                for t, piece in zip(group_tensors, flat.split([t.numel() for t in
-                                                               group_tensors]), strict=True):
-                    t.copy_(piece.view_as(t))
+        self._round_bytes += average_in_place(tensors, what, self.group)
 
     def comm_stats(self) -> dict[str, float]:
         sent = self.stats["bytes_sent"]
@@ -153,6 +140,26 @@ class _Replica(nn.Module):
         only then, `in_sync()`): the module's state and the wrapper's shared state."""
         outer = {f"outer state '{k}'": t for k, t in self.checkpoint_tensors().items()}
         return {**replicated(self.module), **outer}
+
+
+def average_in_place(tensors: list[torch.Tensor], what: str, group: comm.Group) -> int:
+    """Average the float tensors over `group` in place (one all-reduce per dtype); the
+    bytes this rank sent."""
+    size, sent = comm.size_of(group), 0
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+        comm.all_reduce(flat, what, group)
+        sent += flat.numel() * flat.element_size()
+        flat.div_(size)
+        with torch.no_grad():
+            for t, piece in zip(group_tensors, flat.split([t.numel() for t in group_tensors]),
+                                strict=True):
+                t.copy_(piece.view_as(t))
+    return sent
 
 
 class LocalSGD(_Replica):

@@ -24,45 +24,27 @@ differ between a fragment's syncs) are saved per rank.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from lockstep import comm
 from lockstep.comm import stophook, timeline
-from lockstep.lowcomm.rounds import DiLoCo
+from lockstep.lowcomm.fragments import layer_units, plan_fragments
+from lockstep.lowcomm.replicas import ReplicaGroups, resolve_size
+from lockstep.lowcomm.rounds import DiLoCo, average_in_place
 from lockstep.replication import wireformat
 from lockstep.replication.choices import refusing
 from lockstep.replication.compress import PER_RANK
+from lockstep.replication.replica import DataParallel
 
 WIRES = ("full", *wireformat.FORMATS)
-
-
-def plan_fragments(unit_numels: list[int], fragments: int) -> list[range]:
-    """Cut units (layers, in order; their sizes) into `fragments` contiguous runs of nearly
-    equal size: run k ends at the unit boundary nearest k/fragments of the total."""
-    if not 1 <= fragments <= len(unit_numels):
-        raise ValueError(f"streaming DiLoCo needs 1 <= fragments <= the model's "
-                         f"{len(unit_numels)} layers with parameters; got {fragments}")
-    cumulative, bounds = list(itertools.accumulate(unit_numels)), [0]
-    for k in range(1, fragments):
-        target = cumulative[-1] * k / fragments
-        ends = range(bounds[-1] + 1, len(unit_numels) - (fragments - k) + 1)  # none empty
-        bounds.append(min(ends, key=lambda end: abs(cumulative[end - 1] - target)))
-    bounds.append(len(unit_numels))
-    return [range(a, b) for a, b in itertools.pairwise(bounds)]
-
-
-def layer_units(module: nn.Module) -> list[list[int]]:
-    """The module's parameters (indices into .parameters()) grouped by the layer owning them."""
-    units: dict[str, list[int]] = {}
-    for index, (name, _) in enumerate(module.named_parameters()):
-        units.setdefault(name.rpartition(".")[0], []).append(index)
-    return list(units.values())
 
 
 @dataclass
@@ -90,33 +72,75 @@ class StreamingDiLoCo(DiLoCo):
             "int4".
         error_feedback: keep what the wire format rounded off and send it next time.
         outer_lr, outer_momentum, nesterov: the outer SGD (the paper: 0.7, 0.9, True).
+        replica_size: ranks per replica (replicas.py): consecutive ranks that average
+            their gradients every step (a DataParallel among them) and send each
+            fragment once between them. 1: every rank is a replica of its own.
     """
 
     def __init__(self, module: nn.Module, every: int = 50, fragments: int = 4,
                  overlap: int = 1, mixing: float = 0.5, wire: str = "full",
                  error_feedback: bool = False, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 group: comm.Group = None) -> None:
+                 group: comm.Group = None, replica_size: int = 1) -> None:
         try:
             _check(every, fragments, overlap, mixing, wire, error_feedback)
             params, units = list(module.parameters()), layer_units(module)
             runs = plan_fragments([sum(params[i].numel() for i in u) for u in units],
                                   fragments)
+            if replica_size != 1 and group is not None:
+                raise ValueError("replica_size > 1 cuts the whole world into replicas; it "
+                                 "takes no group=")
         except ValueError as error:
             raise ValueError(f"rank {comm.rank_of(group)}: {error}") from None
+        self.replicas = ReplicaGroups(replica_size) if replica_size != 1 else None
+        if self.replicas is not None:
+            group = self.replicas.across  # the rounds' exchanges go between replicas
         super().__init__(module, every, outer_lr, outer_momentum, nesterov, group=group)
+        # Inside a replica gradients are averaged every step. Kept out of the module tree
+        # (not a submodule): the wrapper's own module is what checkpoints and users see.
+        self._within = None if self.replicas is None else \
+            DataParallel(module, group=self.replicas.within)
         self.overlap, self.mixing, self.wire = overlap, mixing, wire
         self.fragments = [[i for j in run for i in units[j]] for run in runs]
         # where each fragment lies in the model's flat pseudo-gradient (checkpoints keep one)
         sizes = [sum(self.theta[i].numel() for i in f) for f in self.fragments]
         self.spans = [slice(end - size, end)
                       for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
+        # the part of each fragment this rank sends: all of it, or its replica place's piece
+        self.pieces = [slice(0, s.stop - s.start) if self.replicas is None
+                       else self.replicas.piece(s.stop - s.start) for s in self.spans]
         self.offsets = [(k + 1) * every // fragments for k in range(fragments)]
         self.in_flight: dict[int, _Exchange] = {}
         self._applied_at = [-1] * fragments  # the step each fragment last took an average
-        self.residuals = ([torch.zeros(s.stop - s.start, dtype=torch.float32)
-                           for s in self.spans] if error_feedback else None)
+        self.residuals = ([torch.zeros(p.stop - p.start, dtype=torch.float32)
+                           for p in self.pieces] if error_feedback else None)
         self._saved: dict[str, torch.Tensor] = {}  # checkpoint_tensors' buffers, reused
+
+    # -- the replica ----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return (self.module if self._within is None else self._within)(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.nullcontext() if self._within is None else self._within.no_sync():
+            yield
+
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes a step between replicas (`bytes_sent`: the slow links' share) and, with
+        replicas of several ranks, within a replica (the gradients' every step)."""
+        stats = super().comm_stats()
+        if self._within is not None:
+            stats["bytes_within_replica"] = self._within.comm_stats()["bytes_sent"]
+        return stats
+
+    def _average_buffers(self, what: str) -> None:
+        """Buffers (BatchNorm's statistics) averaged over every rank: across the replicas,
+        then within each (the average of equal groups' averages is the world's)."""
+        buffers = list(self.module.buffers())
+        self._average(buffers, what)
+        if self.replicas is not None:
+            average_in_place(buffers, what, self.replicas.within)
 
     # -- the schedule -------------------------------------------------------------------
 
@@ -158,18 +182,20 @@ class StreamingDiLoCo(DiLoCo):
             if not (self.mixing == 0 and self._applied_at[k] == self.local_steps):
                 self._send(k, due=self.local_steps)
                 self._take_average(k, mixing=0.0)
-        self._average(list(self.module.buffers()), "streaming DiLoCo final buffer average")
+        self._average_buffers("streaming DiLoCo final buffer average")
 
     # -- one fragment's exchange ---------------------------------------------------------
 
     def _send(self, k: int, due: int) -> None:
-        delta = self._pseudo_gradient(self.fragments[k])
+        whole = self._pseudo_gradient(self.fragments[k])
         # Whether each rank's pseudo-gradient is finite rides with it (a slot per rank,
         # after it): a NaN or inf would spoil every replica's copy of the fragment, and
         # the 8- and 4-bit formats would hide it. Checked on arrival, before it is applied
-        # -- not by a blocking exchange of its own at every send.
+        # -- not by a blocking exchange of its own at every send. (Judged on the whole
+        # fragment: every rank of a replica sees the same verdict.)
         rank, size = comm.rank_of(self.group), comm.size_of(self.group)
-        bad = not bool(torch.isfinite(delta).all())
+        bad = not bool(torch.isfinite(whole).all())
+        delta = whole[self.pieces[k]]
         what = f"streaming DiLoCo fragment {k} exchange"
         with timeline.span(f"{what} sent", "comm"), stophook.awaited_later():
             if self.wire == "full":
@@ -183,7 +209,7 @@ class StreamingDiLoCo(DiLoCo):
         self.in_flight[k] = _Exchange(due, pending, received, delta.numel(),
                                       sent_at=self.local_steps)
         if k == len(self.fragments) - 1:  # buffers (BatchNorm's statistics): once a round
-            self._average(list(self.module.buffers()), "streaming DiLoCo buffer average")
+            self._average_buffers("streaming DiLoCo buffer average")
 
     def _send_encoded(self, k: int, delta: torch.Tensor, bad: bool,
                       what: str) -> tuple[torch.Tensor, comm.Pending, int]:
@@ -213,15 +239,22 @@ class StreamingDiLoCo(DiLoCo):
                 total = wireformat.decode_sum(self.wire, rows[:, :-4], numel)
                 flags = rows[:, -4]
             diverged = [r for r, bad in enumerate(flags.tolist()) if bad]
+            averaged = total.div_(size)
+            if self.replicas is not None:  # this rank's piece: the replica's whole
+                span = self.spans[k]
+                averaged, diverged = self.replicas.gather(
+                    averaged, span.stop - span.start, flags.to(averaged.dtype),
+                    f"streaming DiLoCo fragment {k}'s pieces gathered within the replica")
             if diverged:
                 del self.in_flight[k]
+                who = f"rank(s) {diverged}" if self.replicas is None \
+                    else self.replicas.named(diverged)
                 raise FloatingPointError(
-                    f"rank {comm.rank_of(self.group)}: streaming DiLoCo fragment {k}'s "
-                    f"pseudo-gradient at inner step {exchange.sent_at} is not finite on "
-                    f"rank(s) {diverged}: their training diverged (a NaN or inf loss) since "
-                    "the fragment last synced. Lower the learning rate, or clip gradients "
-                    "(grad_clip_norm)")
-            exchange.averaged = total.div_(size)
+                    f"rank {comm.rank_of()}: streaming DiLoCo fragment {k}'s pseudo-gradient "
+                    f"at inner step {exchange.sent_at} is not finite on {who}: their training "
+                    "diverged (a NaN or inf loss) since the fragment last synced. Lower the "
+                    "learning rate, or clip gradients (grad_clip_norm)")
+            exchange.averaged = averaged
         return exchange.averaged
 
     def _take_average(self, k: int, mixing: float) -> None:
@@ -296,8 +329,13 @@ class StreamingDiLoCo(DiLoCo):
         self.in_flight.clear()
 
     def close(self) -> None:
-        """Drop what is in flight (a regroup that rebuilds the wrapper closes this one)."""
+        """Drop what is in flight (a regroup that rebuilds the wrapper closes this one);
+        give back the replica's DataParallel and groups."""
         self.drop_in_flight()
+        if self.replicas is not None:
+            assert self._within is not None
+            self._within.close()
+            self.replicas.close()
 
 
 def _check(every: int, fragments: int, overlap: int, mixing: float, wire: str,
@@ -339,6 +377,10 @@ class StreamingDiLoCoConfig:
     """The outer learning rate."""
     outer_momentum: float = 0.9
     """The outer Nesterov momentum (0: plain SGD)."""
+    replica_size: int | str = 1
+    """Ranks per replica: consecutive ranks that average their gradients every step and
+    exchange fragments as one replica ("host": the workers of one host). 1: every rank
+    trains a replica of its own."""
 
     def validate(self) -> None:
         _check(self.sync_every, self.fragments, self.overlap, self.mixing, self.wire,
@@ -346,8 +388,12 @@ class StreamingDiLoCoConfig:
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"streaming DiLoCo needs outer_lr > 0 and 0 <= outer_momentum "
                              f"< 1; got {self.outer_lr} and {self.outer_momentum}")
+        size = self.replica_size
+        if size != "host" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"replica_size must be a number of ranks >= 1 or 'host'; got "
+                             f"{size!r}")
 
     def build(self, module: nn.Module) -> StreamingDiLoCo:
         return StreamingDiLoCo(module, self.sync_every, self.fragments, self.overlap,
                                self.mixing, self.wire, self.error_feedback, self.outer_lr,
-                               self.outer_momentum)
+                               self.outer_momentum, replica_size=resolve_size(self.replica_size))

@@ -129,3 +129,9 @@ class TrainConfig:
                 "elastic= with parallel=AsyncConfig: the parameter server keeps the optimizer "
                 "state on one rank, which no survivor could continue from. Use SyncConfig, "
                 "ShardConfig, LocalSGDConfig or DiLoCoConfig with elastic=")
+        if self.elastic is not None and isinstance(self.parallel, StreamingDiLoCoConfig) \
+                and self.parallel.replica_size != 1:
+            raise ValueError(
+                "elastic= with StreamingDiLoCoConfig(replica_size=...): a death would leave "
+                "its replica a rank short, and replicas of unequal size cannot share the "
+                "exchanges' pieces. Use replica_size=1 with elastic=")
