@@ -11,7 +11,8 @@ same global batch (48):
     DiLoCo (H=50)       an outer Nesterov step on the averaged pseudo-gradient every 50
     async (bound 4)     a parameter server on rank 0, 3 workers
     streaming (H=50)    streaming DiLoCo: 3 fragments on staggered rounds of 50, each
-                        exchange overlapped with the next 15 steps (in int4, 12)
+                        exchange overlapped with the next 15 steps (in int4, 12); with
+                        host replicas, each host's 2 ranks one replica (replica_size)
     no-comm ceiling     the same steps with no collective: the fastest any mode could be
 
 For each: wall-clock seconds until the training loss (averaged over 5 steps and all ranks)
@@ -67,6 +68,11 @@ MODES: dict[str, dict[str, Any]] = {
                                       "fragments": 3, "overlap": 15}},
     "streaming int4 (H=50)": {"parallel": {"mode": "streaming_diloco", "sync_every": 50,
                                            "fragments": 3, "overlap": 12, "wire": "int4"}},
+    # each host one replica (replica_size="host"): gradients averaged on the host every
+    # step, each fragment crossing the link once per host, each rank sending half of it
+    "streaming int4 (H=50, host replicas)": {"parallel": {
+        "mode": "streaming_diloco", "sync_every": 50, "fragments": 3, "overlap": 12,
+        "wire": "int4", "replica_size": "host"}},
     # the same steps with no collective at all (each rank trains on its own share; one
     # average after the last step): the fastest any mode could be
     "no-comm ceiling": {"parallel": {"mode": "local_sgd", "sync_every": 10 ** 9}},
@@ -205,15 +211,17 @@ def training_link(row: dict[str, Any]) -> list[tuple[float, int]]:
 def report(rows: dict[str, dict[str, Any]], target: float, bandwidth: str, model: str,
            out: Path) -> None:
     print(f"\n{model}, 2 hosts x 2 processes at {bandwidth}; time to training loss {target}")
-    print(f"{'mode':22s} {'to target':>10s} {'s/step':>7s} {'KB sent/step':>13s} "
+    width = max([22, *map(len, rows)])
+    print(f"{'mode':{width}s} {'to target':>10s} {'s/step':>7s} {'KB sent/step':>13s} "
           f"{'peak MB/1s':>11s} {'burst MB':>9s} {'test acc':>9s}")
     for r in rows.values():
         r["peak"], r["burst"] = peak_rate(training_link(r)), largest_burst(training_link(r))
     for mode, r in rows.items():
-        print(f"{mode:22s} {r['seconds']:9.1f}s {r['per_step']:7.3f} {r['bytes'] / 1e3:13.1f} "
+        print(f"{mode:{width}s} {r['seconds']:9.1f}s {r['per_step']:7.3f} {r['bytes'] / 1e3:13.1f} "
               f"{r['peak']:11.2f} {r['burst']:9.2f} {r['accuracy']:9.4f}")
     ceiling = rows.get("no-comm ceiling")
-    for mode in ("streaming (H=50)", "streaming int4 (H=50)"):
+    for mode in ("streaming (H=50)", "streaming int4 (H=50)",
+                 "streaming int4 (H=50, host replicas)"):
         if ceiling and mode in rows:
             r = rows[mode]
             print(f"{mode} vs the no-comm ceiling: {r['per_step'] / ceiling['per_step']:.2f}x "
