@@ -54,6 +54,8 @@ MODES: dict[str, Any] = {
     "zero2_int8": lambda: lockstep.ShardConfig(stage=2, wire="int8", error_feedback=True),
     "zero3_bf16": lambda: lockstep.ShardConfig(stage=3, wire="bf16", error_feedback=True),
     "sync": lambda: lockstep.SyncConfig(),  # nothing per rank: any world size resumes it
+    "streaming_pairs": lambda: lockstep.StreamingDiLoCoConfig(  # "streaming", in replicas
+        sync_every=6, fragments=3, replica_size=2),
     # replicas of 2 ranks (of 4): each rank's error feedback is its own piece's
     "streaming_replicas": lambda: lockstep.StreamingDiLoCoConfig(
         sync_every=6, fragments=3, overlap=2, wire="int4", error_feedback=True,
@@ -72,6 +74,25 @@ def test_replicas_resume_bitwise(world4: World, tmp_path: Path) -> None:
     for resumed, whole in world4.run(interrupted_and_whole, str(tmp_path),
                                      "streaming_replicas"):
         assert resumed == whole
+
+
+def resumed_in_pairs(tmp: str) -> str:
+    try:
+        return train(f"{tmp}/part", "streaming_pairs", 20, resume="auto")
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_checkpoint_of_ranks_apart_is_refused_to_replicas(world4: World,
+                                                             tmp_path: Path) -> None:
+    """Written by 4 ranks each a replica of its own (their parameters apart), resumed in
+    replicas of 2 ranks: each rank would take back its own parameters and optimizer state,
+    and the ranks of one replica would stay apart for good. Refused, on every rank."""
+    world4.run(train, f"{tmp_path}/part", "streaming", 10, every=5)
+    for rank, said in enumerate(world4.run(resumed_in_pairs, str(tmp_path))):
+        assert said.startswith(f"rank {rank}: the checkpoint gives the ranks of this replica "
+                               "different parameters: it was written with another "
+                               "replica_size"), said
 
 
 def resumed_here(tmp: str, mode: str) -> tuple[str, list[str]]:

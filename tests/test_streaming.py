@@ -272,19 +272,26 @@ def test_a_replica_of_two_ranks_trains_as_one_rank_of_their_samples(
     assert paired[0][1]["bytes_within_replica"] > 0
 
 
-def refused_replicas() -> str:
+def refused_replicas(uneven: bool) -> str:
+    """Replicas of 3 ranks in a world of 4; or ranks asking for different sizes (as
+    replica_size='host' would on hosts of unequal worker counts)."""
     lockstep.init()
+    size = (2 if lockstep.comm.rank_of() < 2 else 4) if uneven else 3
     try:
-        StreamingDiLoCo(make_model("mlp"), every=4, fragments=2, replica_size=3)
+        StreamingDiLoCo(make_model("mlp"), every=4, fragments=2, replica_size=size)
     except ValueError as error:
         return str(error)
     return "built"
 
 
-def test_replicas_that_do_not_divide_the_world_are_refused(world4: World) -> None:
-    for rank, said in enumerate(world4.run(refused_replicas)):
+def test_replicas_that_do_not_cut_the_world_evenly_are_refused_on_every_rank(
+        world4: World) -> None:
+    for rank, said in enumerate(world4.run(refused_replicas, False)):
         assert said.startswith(f"rank {rank}: replicas of 3 ranks do not divide the "
                                "world's 4 ranks"), said
+    for rank, said in enumerate(world4.run(refused_replicas, True)):
+        assert said.startswith(f"rank {rank}: the ranks ask for replicas of different "
+                               "sizes [2, 4]"), said
 
 
 def test_replicas_under_elastic_are_refused_with_the_reason() -> None:

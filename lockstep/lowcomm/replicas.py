@@ -21,16 +21,20 @@ of one host, as launchers number them) and gives each rank two process groups:
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from lockstep import comm
+from lockstep.comm.world import current
+from lockstep.replication.replica import DataParallel
 from lockstep.replication.wireformat import BLOCK
 
 
 class ReplicaGroups:
     """This rank's replica (`within`) and its peers at the same place in the others
-    (`across`), for replicas of `size` consecutive ranks."""
+    (`across`), for replicas of `size` consecutive ranks; `model`: the module, its
+    gradients averaged within the replica every step."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, module: nn.Module) -> None:
         world, rank = comm.size_of(), comm.rank_of()
         if size < 1 or world % size:
             raise ValueError(
@@ -42,6 +46,16 @@ class ReplicaGroups:
         within = [comm.new_group(range(i * size, (i + 1) * size)) for i in range(self.count)]
         across = [comm.new_group(range(j, world, size)) for j in range(size)]
         self.within, self.across = within[rank // size], across[self.place]
+        # A NaN is left to the rounds' exchanges, whose flags name its replica on every
+        # rank (this DataParallel's own check would stop only the replica's ranks)
+        self.model = DataParallel(module, group=self.within, nonfinite="off")
+
+    def stats(self, rounds: dict[str, float]) -> dict[str, float]:
+        """The rounds' comm_stats (`bytes_sent`: between replicas, the slow links' share)
+        with the bytes a step within the replica, and the compression a replica's (its
+        ranks send a piece each)."""
+        return {**rounds, "bytes_within_replica": self.model.comm_stats()["bytes_sent"],
+                "compression_ratio": rounds["compression_ratio"] / self.size}
 
     def _piece_length(self, numel: int) -> int:
         """How many values each rank's piece holds at most: whole wire-format blocks, so
@@ -75,15 +89,44 @@ class ReplicaGroups:
         ranks = [list(range(r * self.size, (r + 1) * self.size)) for r in replicas]
         return f"the replica(s) of ranks {ranks}"
 
+    def check_identical(self, params: list[torch.Tensor]) -> None:
+        """Raise, on every rank of the replica, unless its ranks hold the same `params`
+        (after a resume: a checkpoint whose ranks trained apart -- another replica_size --
+        would leave the ranks of one replica apart for good)."""
+        flat = torch.cat([p.detach().reshape(-1).double() for p in params])
+        mine = torch.stack([flat.sum(), flat.square().sum(), (flat * torch.arange(
+            flat.numel(), dtype=flat.dtype)).sum()])
+        every = mine.new_empty(self.size * 3)
+        comm.all_gather_into(every, mine, "a replica's resumed parameters compared", self.within)
+        if not (every.view(self.size, 3) == mine).all():
+            raise ValueError(
+                f"rank {comm.rank_of()}: the checkpoint gives the ranks of this replica "
+                f"different parameters: it was written with another replica_size (its ranks "
+                f"trained apart). Resume with the replica_size it was written with, or with "
+                f"another number of ranks (each then starts from rank 0's)")
+
     def close(self) -> None:
+        self.model.close()
         comm.destroy_group(self.within)
         comm.destroy_group(self.across)
 
 
 def resolve_size(replica_size: int | str) -> int:
-    """`replica_size` as a number of ranks: "host" is the launcher's workers per host."""
+    """`replica_size` as a number of ranks ("host": the launcher's workers per host), the
+    same on every rank -- or an error on every rank. (Only 1, given as a number, asks the
+    others nothing: every rank is a replica of its own.)"""
+    if replica_size == 1:
+        return 1
     if replica_size == "host":
-        from lockstep.comm.world import current
-
-        return current().local_world_size
-    return int(replica_size)
+        size = current().local_world_size
+    elif isinstance(replica_size, int) and not isinstance(replica_size, bool):
+        size = replica_size
+    else:
+        raise ValueError(f"rank {comm.rank_of()}: replica_size must be a number of ranks "
+                         f">= 1 or 'host'; got {replica_size!r}")
+    sizes = sorted({s for s, in comm.all_gather_ints([size], "replica sizes agreed")})
+    if len(sizes) > 1:
+        raise ValueError(f"rank {comm.rank_of()}: the ranks ask for replicas of different "
+                         f"sizes {sizes} (replica_size='host' with hosts of unequal worker "
+                         f"counts?); give every rank the same replica_size")
+    return size

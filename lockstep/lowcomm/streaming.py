@@ -42,7 +42,6 @@ from lockstep.lowcomm.rounds import DiLoCo, average_in_place
 from lockstep.replication import wireformat
 from lockstep.replication.choices import refusing
 from lockstep.replication.compress import PER_RANK
-from lockstep.replication.replica import DataParallel
 
 WIRES = ("full", *wireformat.FORMATS)
 
@@ -81,7 +80,7 @@ class StreamingDiLoCo(DiLoCo):
                  overlap: int = 1, mixing: float = 0.5, wire: str = "full",
                  error_feedback: bool = False, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True,
-                 group: comm.Group = None, replica_size: int = 1) -> None:
+                 group: comm.Group = None, replica_size: int | str = 1) -> None:
         try:
             _check(every, fragments, overlap, mixing, wire, error_feedback)
             params, units = list(module.parameters()), layer_units(module)
@@ -92,15 +91,16 @@ class StreamingDiLoCo(DiLoCo):
                                  "takes no group=")
         except ValueError as error:
             raise ValueError(f"rank {comm.rank_of(group)}: {error}") from None
-        self.replicas = ReplicaGroups(replica_size) if replica_size != 1 else None
+        replica_size = resolve_size(replica_size)
+        # Replicas first: each takes its first rank's model, and the broadcast across them
+        # (DiLoCo's, below) then brings rank 0's to every rank before theta is copied
+        self.replicas = ReplicaGroups(replica_size, module) if replica_size != 1 else None
         if self.replicas is not None:
             group = self.replicas.across  # the rounds' exchanges go between replicas
         super().__init__(module, every, outer_lr, outer_momentum, nesterov, group=group)
-        # Inside a replica gradients are averaged every step. Kept out of the module tree
-        # (not a submodule): the wrapper's own module is what checkpoints and users see.
-        self._within = None if self.replicas is None else \
-            DataParallel(module, group=self.replicas.within)
         self.overlap, self.mixing, self.wire = overlap, mixing, wire
+        # quantised only when it travels: a lone replica's exchange stays in full precision
+        self.encodes = wire != "full" and comm.size_of(self.group) > 1
         self.fragments = [[i for j in run for i in units[j]] for run in runs]
         # where each fragment lies in the model's flat pseudo-gradient (checkpoints keep one)
         sizes = [sum(self.theta[i].numel() for i in f) for f in self.fragments]
@@ -119,20 +119,16 @@ class StreamingDiLoCo(DiLoCo):
     # -- the replica ----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return (self.module if self._within is None else self._within)(*args, **kwargs)
+        return (self.module if self.replicas is None else self.replicas.model)(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        with contextlib.nullcontext() if self._within is None else self._within.no_sync():
+        with contextlib.nullcontext() if self.replicas is None else self.replicas.model.no_sync():
             yield
 
     def comm_stats(self) -> dict[str, float]:
-        """Bytes a step between replicas (`bytes_sent`: the slow links' share) and, with
-        replicas of several ranks, within a replica (the gradients' every step)."""
         stats = super().comm_stats()
-        if self._within is not None:
-            stats["bytes_within_replica"] = self._within.comm_stats()["bytes_sent"]
-        return stats
+        return stats if self.replicas is None else self.replicas.stats(stats)
 
     def _average_buffers(self, what: str) -> None:
         """Buffers (BatchNorm's statistics) averaged over every rank: across the replicas,
@@ -198,7 +194,7 @@ class StreamingDiLoCo(DiLoCo):
         delta = whole[self.pieces[k]]
         what = f"streaming DiLoCo fragment {k} exchange"
         with timeline.span(f"{what} sent", "comm"), stophook.awaited_later():
-            if self.wire == "full":
+            if not self.encodes:
                 received = torch.cat([delta, delta.new_zeros(size)])
                 received[delta.numel() + rank] = float(bad)
                 pending = comm.all_reduce_async(received, what, self.group)
@@ -232,7 +228,7 @@ class StreamingDiLoCo(DiLoCo):
                     del self.in_flight[k]  # dropped whole: the fragment goes again
                     raise
             size, numel = comm.size_of(self.group), exchange.numel
-            if self.wire == "full":
+            if not self.encodes:
                 total, flags = exchange.received[:numel], exchange.received[numel:]
             else:  # every rank's bytes, summed in fp32
                 rows = exchange.received.view(size, -1)
@@ -286,7 +282,7 @@ class StreamingDiLoCo(DiLoCo):
         if not self._saved:
             total = self.spans[-1].stop
             dtype = functools.reduce(torch.promote_types, [t.dtype for t in self.theta]) \
-                if self.wire == "full" else torch.float32
+                if not self.encodes else torch.float32
             self._saved = {"streaming.step": torch.zeros(1, dtype=torch.int64),
                            "streaming.due": torch.zeros(len(self.fragments), dtype=torch.int64),
                            "streaming.arrived": torch.zeros(total, dtype=dtype)}
@@ -312,6 +308,8 @@ class StreamingDiLoCo(DiLoCo):
             with torch.no_grad():
                 for i, p in enumerate(self.module.parameters()):
                     p.copy_(saved[f"{PER_RANK}streaming.local.{i}"])
+            if self.replicas is not None:
+                self.replicas.check_identical(list(self.module.parameters()))
         elif self.residuals is not None:
             for residual in self.residuals:
                 residual.zero_()
@@ -333,8 +331,6 @@ class StreamingDiLoCo(DiLoCo):
         give back the replica's DataParallel and groups."""
         self.drop_in_flight()
         if self.replicas is not None:
-            assert self._within is not None
-            self._within.close()
             self.replicas.close()
 
 
@@ -396,4 +392,4 @@ class StreamingDiLoCoConfig:
     def build(self, module: nn.Module) -> StreamingDiLoCo:
         return StreamingDiLoCo(module, self.sync_every, self.fragments, self.overlap,
                                self.mixing, self.wire, self.error_feedback, self.outer_lr,
-                               self.outer_momentum, replica_size=resolve_size(self.replica_size))
+                               self.outer_momentum, replica_size=self.replica_size)
