@@ -312,3 +312,20 @@ def test_one_replica_of_every_rank_in_the_trainer(world4: World, tmp_path: Path)
     assert accuracy >= 0.84, accuracy
     assert len({r[1] for r in hosted}) == 1
     assert stats["bytes_sent"] == 0 and stats["bytes_within_replica"] > 0, stats
+
+
+def started_apart() -> tuple[str, bool]:
+    """Each rank builds its model from its own seed: the wrapper must start every rank,
+    and its outer parameters, from rank 0's."""
+    lockstep.init()
+    model = StreamingDiLoCo(make_model("mlp", seed=lockstep.comm.rank_of()), every=4,
+                            fragments=2, replica_size=2)
+    level = all(torch.equal(t, p) for t, p in zip(model.theta, model.module.parameters(),
+                                                   strict=True))
+    model.close()
+    return digest(model.module), level
+
+
+def test_replicas_start_every_rank_from_rank_0s_model(world4: World) -> None:
+    started = world4.run(started_apart)
+    assert len({d for d, _ in started}) == 1 and all(level for _, level in started), started
