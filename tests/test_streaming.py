@@ -192,24 +192,28 @@ def test_a_fragments_exchange_is_its_one_collective(world2: World, wire: str) ->
     assert world2.run(collectives_of_three_steps, wire) == [expected, expected]
 
 
-def batchnorm_after_finish(mixing: float) -> list[float]:
+def batchnorm_after_finish(mixing: float, replica_size: int = 1) -> list[float]:
     """Buffers end averaged even when the last fragment took the shared parameters at the
     very last step (finish() then syncs nothing)."""
     lockstep.init()
     rank = lockstep.comm.rank_of()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    model = StreamingDiLoCo(net, every=4, fragments=1, overlap=1, mixing=mixing)
+    model = StreamingDiLoCo(net, every=4, fragments=1, overlap=1, mixing=mixing,
+                            replica_size=replica_size)
     for _ in range(5):  # sent at step 4, applied at 5: the last step
         model(torch.randn(8, 4) + rank)
         model.after_step()
     model.finish()
+    model.close()
     return net[1].running_mean.tolist()
 
 
-def test_finish_leaves_buffers_identical(world2: World) -> None:
+def test_finish_leaves_buffers_identical(world2: World, world4: World) -> None:
     first, second = world2.run(batchnorm_after_finish, 0.0)
     assert first == second
+    # in replicas of 2 every rank's statistics differ too (each normalises its own samples)
+    assert len({tuple(m) for m in world4.run(batchnorm_after_finish, 0.0, 2)}) == 1
 
 
 @pytest.mark.parametrize("settings,reason", [

@@ -131,12 +131,13 @@ class StreamingDiLoCo(DiLoCo):
         return stats if self.replicas is None else self.replicas.stats(stats)
 
     def _average_buffers(self, what: str) -> None:
-        """Buffers (BatchNorm's statistics) averaged over every rank: across the replicas,
-        then within each (the average of equal groups' averages is the world's)."""
+        """Buffers (BatchNorm's statistics) averaged over every rank: with replicas, over
+        the whole world at once (each rank's differ, within a replica too)."""
         buffers = list(self.module.buffers())
-        self._average(buffers, what)
-        if self.replicas is not None:
-            average_in_place(buffers, what, self.replicas.within)
+        if self.replicas is None:
+            self._average(buffers, what)
+        else:
+            self._round_bytes += average_in_place(buffers, what, None)
 
     # -- the schedule -------------------------------------------------------------------
 
