@@ -116,16 +116,22 @@ def resolve_size(replica_size: int | str) -> int:
     others nothing: every rank is a replica of its own.)"""
     if replica_size == 1:
         return 1
-    if replica_size == "host":
-        size = current().local_world_size
-    elif isinstance(replica_size, int) and not isinstance(replica_size, bool):
-        size = replica_size
-    else:
-        raise ValueError(f"rank {comm.rank_of()}: replica_size must be a number of ranks "
-                         f">= 1 or 'host'; got {replica_size!r}")
+    try:
+        check_size(replica_size)
+    except ValueError as error:
+        raise ValueError(f"rank {comm.rank_of()}: {error}") from None
+    size = current().local_world_size if replica_size == "host" else int(replica_size)
     sizes = sorted({s for s, in comm.all_gather_ints([size], "replica sizes agreed")})
     if len(sizes) > 1:
         raise ValueError(f"rank {comm.rank_of()}: the ranks ask for replicas of different "
                          f"sizes {sizes} (replica_size='host' with hosts of unequal worker "
                          f"counts?); give every rank the same replica_size")
     return size
+
+
+def check_size(replica_size: int | str) -> None:
+    """A replica_size is a number of ranks >= 1, or "host"."""
+    if replica_size != "host" and (isinstance(replica_size, bool)
+                                   or not isinstance(replica_size, int) or replica_size < 1):
+        raise ValueError(f"replica_size must be a number of ranks >= 1 or 'host'; got "
+                         f"{replica_size!r}")

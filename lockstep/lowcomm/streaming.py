@@ -37,7 +37,7 @@ from torch import nn
 from lockstep import comm
 from lockstep.comm import stophook, timeline
 from lockstep.lowcomm.fragments import layer_units, plan_fragments
-from lockstep.lowcomm.replicas import ReplicaGroups, resolve_size
+from lockstep.lowcomm.replicas import ReplicaGroups, check_size, resolve_size
 from lockstep.lowcomm.rounds import DiLoCo, average_in_place
 from lockstep.replication import wireformat
 from lockstep.replication.choices import refusing
@@ -385,10 +385,7 @@ class StreamingDiLoCoConfig:
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError(f"streaming DiLoCo needs outer_lr > 0 and 0 <= outer_momentum "
                              f"< 1; got {self.outer_lr} and {self.outer_momentum}")
-        size = self.replica_size
-        if size != "host" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"replica_size must be a number of ranks >= 1 or 'host'; got "
-                             f"{size!r}")
+        check_size(self.replica_size)
 
     def build(self, module: nn.Module) -> StreamingDiLoCo:
         return StreamingDiLoCo(module, self.sync_every, self.fragments, self.overlap,
