@@ -15,8 +15,6 @@ from __future__ import annotations
 import logging
 import os
 
-import torch
-
 log = logging.getLogger(__name__)
 
 HOST_CORES = "LOCKSTEP_HOST_CORES"
@@ -51,6 +49,8 @@ def share_cores(local_workers: int) -> None:
     launched = os.environ.get(AUTO_THREADS, "")
     if not launched.isdigit():
         return
+    import torch  # (here: the launcher reads this module, and starts workers, without it)
+
     ours = {_ours} if _ours is not None else {int(launched), min(int(launched), machine_cores())}
     if torch.get_num_threads() not in ours:  # the script's own choice: it stays
         return

@@ -19,6 +19,7 @@ import torch
 
 from lockstep.cores import HOST_CORES
 from lockstep.elastic import etcd
+from lockstep.elastic.etcdstore import EtcdStore
 from lockstep.tools.cluster import Cluster, cluster_available, parse_bandwidth
 from tests import multihost_job
 
@@ -108,7 +109,7 @@ def test_an_etcd_member_per_host_answers_through_a_host_kill_and_a_cut_link() ->
         address = c.expand(["{etcd}"], 0)[0]
         assert address == "etcd://" + ",".join(f"{c.address(h)}:2379" for h in range(3))
         endpoints, _ = etcd.parse(address)
-        store = etcd.EtcdStore(endpoints, "cluster-test/", timedelta(seconds=5))
+        store = EtcdStore(endpoints, "cluster-test/", timedelta(seconds=5))
         store.set("k", "1")
         c.kill_host(0)
         assert store.add("n", 1) == 1 and store.get("k") == b"1"

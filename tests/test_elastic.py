@@ -31,7 +31,8 @@ from lockstep.cores import HOST_CORES
 from lockstep.elastic import batch_slice, membership_failure
 from lockstep.elastic.membership import Candidate, Membership, decide, describe, layout
 from lockstep.elastic.store import PREFIX
-from lockstep.launch.elastic import _supervise, free_port, worker_name
+from lockstep.launch.elastic import _supervise, free_port
+from lockstep.launch.jobstore import worker_name
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = str(ROOT / "tests" / "elastic_job.py")

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from lockstep.elastic import etcd
+from lockstep.elastic.etcdstore import EtcdStore
+from lockstep.elastic.store import connect
 from lockstep.tools.etcd_members import EtcdMembers
 from tests.test_elastic import _check_history, _kill_and_rejoin, _reference
 
@@ -26,9 +28,9 @@ def members() -> Iterator[EtcdMembers]:
 
 
 def _store(members: EtcdMembers, prefix: str, timeout_s: float = 5.0,
-           patience_s: float = 0.5) -> etcd.EtcdStore:
+           patience_s: float = 0.5) -> EtcdStore:
     endpoints, _ = etcd.parse(members.address)
-    return etcd.EtcdStore(endpoints, prefix, timedelta(seconds=timeout_s),
+    return EtcdStore(endpoints, prefix, timedelta(seconds=timeout_s),
                           timedelta(seconds=patience_s))
 
 
@@ -85,21 +87,23 @@ def test_a_process_group_forms_over_it(members: EtcdMembers) -> None:
 def test_two_launchers_starting_together_join_one_run_and_the_next_starts_afresh(
         members: EtcdMembers) -> None:
     timeout = timedelta(seconds=5)
-    joined: list[tuple[etcd.EtcdStore, str, etcd.LauncherLease, bool]] = []
+    joined: list[tuple[str, etcd.LauncherLease, bool]] = []
     launchers = [threading.Thread(target=lambda: joined.append(
-        etcd.join_job(members.address, "together", timeout))) for _ in range(2)]
+        etcd.join_job(members.address, "together"))) for _ in range(2)]
     for t in launchers:
         t.start()
     for t in launchers:
         t.join()
-    assert joined[0][1] == joined[1][1] and sorted(j[3] for j in joined) == [False, True]
-    joined[0][0].set("left-by-the-run", "1")
-    for _, _, lease, _ in joined:
+    assert joined[0][0] == joined[1][0] and sorted(j[2] for j in joined) == [False, True]
+    first_run = connect(joined[0][0], timeout)
+    first_run.set("left-by-the-run", "1")
+    for _, lease, _ in joined:
         lease.close()
-    store, address, lease, started = etcd.join_job(members.address, "together", timeout)
+    address, lease, started = etcd.join_job(members.address, "together")
     try:  # nobody was left in the old run: a new one, and the old one's keys are gone
-        assert started and address != joined[0][1] and not store.check(["left-by-the-run"])
-        assert not joined[0][0].check(["left-by-the-run"])
+        assert started and address != joined[0][0]
+        assert not connect(address, timeout).check(["left-by-the-run"])
+        assert not first_run.check(["left-by-the-run"])
     finally:
         lease.close()
 

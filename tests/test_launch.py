@@ -157,6 +157,44 @@ def test_a_missing_or_broken_script_is_reported_before_any_worker_starts(tmp_pat
         assert len(processes) == 1 and "'run', '-n', '2'" in processes[0], processes
 
 
+def test_the_elastic_launcher_starts_its_workers_before_it_loads_torch() -> None:
+    """A restarted worker waited out its launcher's import of torch (~2 s) before its own
+    began: the launcher now loads torch only once its workers are started."""
+    probe = ("import sys, lockstep.launch.cli, lockstep.launch.elastic; "
+             "print('torch' in sys.modules)")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    assert loaded == "False"
+
+
+def test_workers_started_for_a_store_that_is_not_a_jobs_are_stopped(tmp_path: Path) -> None:
+    """The workers start before the launcher reaches the job's store; when the endpoint
+    turns out to be no elastic job's, the launcher says so and leaves no worker behind."""
+    import torch.distributed as dist
+
+    worker = tmp_path / "waits.py"
+    worker.write_text("import time\ntime.sleep(120)\n")
+    foreign = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    result = launch(str(BIN / "lockstep"), "run", "--elastic", "-n", "2", "--rdzv-endpoint",
+                    f"127.0.0.1:{foreign.port}", str(worker))
+    assert result.returncode == 2, result.stderr
+    assert "is not an elastic lockstep job's" in result.stderr, result.stderr
+    assert not _running(str(worker))
+
+
+def _running(marker: str) -> list[str]:
+    """The command lines of this machine's processes that mention `marker`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended in between
+            continue
+        if marker in text:
+            found.append(text)
+    return found
+
+
 BY_HAND = textwrap.dedent("""
     import sys, time, lockstep
     init = lockstep.init  # loads torch (lockstep's names load on first use): not timed
@@ -204,7 +242,7 @@ def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> Non
     rerun that resumes from a checkpoint): the old store's connections linger in TIME_WAIT
     on the port. Before, the launcher took that for a live store, waited for it, and failed
     with "no elastic job answered" (seen rerunning benchmarks/elastic_adversary.py)."""
-    from lockstep.launch.elastic import _can_bind
+    from lockstep.launch.jobstore import _can_bind
 
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -4,14 +4,13 @@ A TCPStore lives in one launcher's process; when that host goes, the members can
 agree on anything. etcd keeps every key on a majority of its members (Raft): with three
 members any one can die -- the first host's included -- and the store still answers.
 
-`EtcdStore` is a c10d Store (what TCPStore offers: set, get, add, check, compare_set,
-wait, delete_key, num_keys), so quorum.py, heartbeat.py and Gloo's rendezvous use it
-unchanged. It speaks etcd's v3 API through the JSON gateway every etcd >= 3.4 serves --
-plain HTTP from the standard library, no client package. Each request goes to the member
-that answered last; a member that does not answer (its host is gone, its link cut, it lost
-the majority) is passed over for the next. etcd's reads are linearizable by default, so any
-member's answer is the current one. Atomic updates are etcd transactions: `add` compares
-the key's revision, `compare_set` its value, and retries or reports accordingly.
+This module speaks etcd's v3 API through the JSON gateway every etcd >= 3.4 serves --
+plain HTTP from the standard library, no client package, and no torch: the launcher finds
+its run of the job (join_job) and starts its workers before it loads torch. Each request
+goes to the member that answered last; a member that does not answer (its host is gone, its
+link cut, it lost the majority) is passed over for the next. etcd's reads are linearizable
+by default, so any member's answer is the current one. etcdstore.py is the c10d Store over
+it that quorum.py, heartbeat.py and Gloo's rendezvous use.
 """
 
 from __future__ import annotations
@@ -25,10 +24,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
-
-import torch.distributed as dist
 
 SCHEME = "etcd://"
 REQUEST_TIMEOUT_S = 2.0
@@ -53,10 +49,6 @@ def parse(address: str) -> tuple[list[str], str]:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-def _bytes(value: str | bytes | bytearray | Sequence[int]) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class EtcdClient:
@@ -146,6 +138,11 @@ def absent(key: bytes) -> dict[str, Any]:
     return {"key": _b64(key), "target": "CREATE", "create_revision": "0"}
 
 
+def holds(key: bytes, value: bytes) -> dict[str, Any]:
+    """A transaction's comparison: the key's value is `value`."""
+    return {"key": _b64(key), "target": "VALUE", "value": _b64(value)}
+
+
 def unchanged(key: bytes, record: dict[str, Any]) -> dict[str, Any]:
     """A transaction's comparison: the key is as it was when `record` was read."""
     return {"key": _b64(key), "target": "MOD", "mod_revision": record["mod_revision"]}
@@ -156,103 +153,16 @@ def value_of(record: dict[str, Any]) -> bytes:
     return base64.b64decode(record.get("value", ""))
 
 
+def range_request(key: bytes) -> dict[str, Any]:
+    """A transaction's request: read the key."""
+    return {"request_range": {"key": _b64(key)}}
+
+
 def put_request(key: bytes, value: bytes, lease: int = 0) -> dict[str, Any]:
     put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
     if lease:
         put["lease"] = str(lease)
     return {"request_put": put}
-
-
-_KEPT: list[EtcdStore] = []
-
-
-class EtcdStore(dist.Store):
-    """A c10d Store over keys under `prefix` in etcd (see the module docstring)."""
-
-    def __init__(self, endpoints: Sequence[str], prefix: str, timeout: timedelta,
-                 patience: timedelta | None = None) -> None:
-        """`timeout`: how long a wait for a key may take; `patience`: how long a request
-        goes on asking when no member answers (default: `timeout`)."""
-        super().__init__()  # (the c10d trampoline needs it)
-        self.client = EtcdClient(endpoints, (patience or timeout).total_seconds())
-        self.prefix = prefix.encode()
-        self.set_timeout(timeout)
-        # A PrefixStore or a process group holds only the C++ half; once Python lets go of
-        # this object its methods are gone ("pure virtual function" from the heartbeat's
-        # thread). C++ never says when it lets go, so a store lives as long as the process
-        # -- cheaply: it holds no connection, only the members' addresses.
-        _KEPT.append(self)
-
-    def _key(self, key: str) -> bytes:
-        return self.prefix + key.encode()
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.client.put(self._key(key), _bytes(value))
-
-    def get(self, key: str) -> bytes:
-        """The value, waiting for the key up to the store's timeout (as TCPStore does)."""
-        return value_of(self._await([key])[0])
-
-    def add(self, key: str, amount: int) -> int:
-        full = self._key(key)
-        while True:
-            found = self.client.get(full)
-            if found is not None and amount == 0:  # a read: no write, no revision spent
-                return int(value_of(found) or 0)
-            if found is None:
-                compare, new = absent(full), amount
-            else:
-                compare, new = unchanged(full, found), int(value_of(found) or 0) + amount
-            if self.client.transact(compare, [put_request(full, str(new).encode())],
-                                    []).get("succeeded"):
-                return new  # else another worker added in between: read again
-
-    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        """TCPStore's rule: set `desired` if the value is `expected` (b"": the key is absent);
-        returns the value now held -- or `expected` if the key is absent and `expected` is
-        not empty."""
-        full, want, new = self._key(key), _bytes(expected), _bytes(desired)
-        compare = absent(full) if not want else \
-            {"key": _b64(full), "target": "VALUE", "value": _b64(want)}
-        answer = self.client.transact(compare, [put_request(full, new)],
-                                      [{"request_range": {"key": _b64(full)}}])
-        if answer.get("succeeded"):
-            return new
-        kvs = answer["responses"][0]["response_range"].get("kvs")
-        return value_of(kvs[0]) if kvs else want
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self.client.get(self._key(key)) is not None for key in keys)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._await(keys, timeout)
-
-    def _await(self, keys: list[str], timeout: timedelta | None = None
-               ) -> list[dict[str, Any]]:
-        """The keys' records once every one exists (read once each round: `get` needs no
-        second read after the wait), waiting up to `timeout` (the store's)."""
-        limit = (timeout or self.timeout).total_seconds()  # type: ignore[attr-defined]
-        deadline, pause = time.monotonic() + limit, 0.002
-        while True:
-            found = [self.client.get(self._key(key)) for key in keys]
-            if all(record is not None for record in found):
-                return found  # type: ignore[return-value]
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"etcd store: wait timeout after {limit * 1000:.0f}"
-                                          f"ms, keys: {keys}")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-
-    def delete_key(self, key: str) -> bool:
-        return self.client.delete(self._key(key)) > 0
-
-    def num_keys(self) -> int:
-        return self.client.count(self.prefix)
-
-    # c10d's Python-store trampoline looks these two up by their C++ names: without them a
-    # PrefixStore over this store (every caller's) failed "pure virtual function".
-    deleteKey = delete_key
-    getNumKeys = num_keys
 
 
 # ---- which run of a job a launcher joins -------------------------------------------------
@@ -284,12 +194,11 @@ class LauncherLease:
             self.client.revoke(self.id)  # the key goes now, not in LAUNCHER_TTL_S
 
 
-def join_job(address: str, job: str, timeout: timedelta
-             ) -> tuple[EtcdStore, str, LauncherLease, bool]:
+def join_job(address: str, job: str) -> tuple[str, LauncherLease, bool]:
     """The run of `job` this launcher's workers belong to: the live one if any launcher of
     it is alive, else a new one (the previous run's keys, lockstep's own, are deleted).
-    Returns its store, the address workers connect to, this launcher's lease, and whether
-    this launcher started the run.
+    Returns the address of its store (etcdstore.EtcdStore, or store.connect, opens it), this
+    launcher's lease, and whether this launcher started the run.
 
     Keys: <prefix><job>/run names the current run; <prefix><job>/launchers/<run>/<lease> are
     the live launchers; the run's store lives under <prefix><job>/runs/<run>/. A new run is
@@ -317,5 +226,4 @@ def join_job(address: str, job: str, timeout: timedelta
             run, started = new, True
             break  # (else another launcher started a run just now: join it)
     prefix = (base + b"runs/" + run + b"/").decode()
-    return (EtcdStore(endpoints, prefix, timeout),
-            f"{SCHEME}{','.join(endpoints)}/{prefix}", lease, started)
+    return f"{SCHEME}{','.join(endpoints)}/{prefix}", lease, started

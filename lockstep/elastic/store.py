@@ -1,7 +1,8 @@
 """The job's store: where a fault-tolerant job's workers agree (quorum.py) and beat
 (heartbeat.py). A TCPStore hosted by the job's first launcher (HOST:PORT), or etcd's
-replicated keys (etcd://HOST:PORT,... -- see etcd.py), which no one host's loss takes
-away. This module is the one place that connects to it and says, in words, when it is gone.
+replicated keys (etcd://HOST:PORT,... -- see etcd.py and etcdstore.py), which no one
+host's loss takes away. This module is the one place that connects to it and says, in
+words, when it is gone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_STORE
+from lockstep.elastic.etcdstore import EtcdStore
 
 PREFIX = "lockstep/elastic/"
 
@@ -38,7 +40,7 @@ def connect(address: str, timeout: timedelta, patience: timedelta | None = None
     request goes on asking for `patience` while no member answers (a cut link)."""
     if address.startswith(etcd.SCHEME):
         endpoints, prefix = etcd.parse(address)
-        return etcd.EtcdStore(endpoints, prefix, timeout, patience)
+        return EtcdStore(endpoints, prefix, timeout, patience)
     host, _, port = address.rpartition(":")
     try:
         return dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,

@@ -1,5 +1,6 @@
 """Launching: the `lockstep` command (cli.py), `lockstep run` on torchrun's machinery
-(run.py), where every worker starts (entry.py), and `lockstep env` (envreport.py)."""
+(run.py), `lockstep run --elastic` (elastic.py, and jobstore.py for the job's store), where
+every worker starts (entry.py), and `lockstep env` (envreport.py)."""
 
 from lockstep.lazy import submodules_on_demand
 

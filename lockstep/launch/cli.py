@@ -150,19 +150,27 @@ def main(argv: list[str] | None = None) -> int:
     spec = _spec(args, args.max_restarts)
     if refused(spec):  # (torch is not loaded yet: told at once)
         return 2
-    from lockstep.comm import timeline
-
     launch = run
     if args.elastic:
         from lockstep.launch.elastic import run_elastic as launch
     trace = Path(args.timeline).resolve() if args.timeline else None
-    with _environment(timeline.ENV, str(trace) if trace else None):
+    asked = contextlib.nullcontext() if trace is None else \
+        _environment(_timeline_env(), str(trace))
+    with asked:
         code = launch(spec)
     if code == 0 and trace is not None and not trace.exists():
         print(f"lockstep run: no timeline was written to {trace}: the Trainer records one "
               "while it trains (not when its run_dir holds a finished run); a script with "
               "its own loop does not", file=sys.stderr)
     return code
+
+
+def _timeline_env() -> str:
+    """The variable that asks the workers for a timeline (loaded only when one is asked
+    for: timeline.py loads torch, which the elastic launcher loads after its workers)."""
+    from lockstep.comm import timeline
+
+    return timeline.ENV
 
 
 def _spec(args: argparse.Namespace, max_restarts: int = 0) -> LaunchSpec:

@@ -1,0 +1,131 @@
+"""The elastic launcher's hold on the job's store, once its workers have started.
+
+The launcher hosts the store (the job's first launcher, at a TCP endpoint), or connects to
+the one another launcher hosts, or to etcd's; it names its workers in messages by their id
+in the job, tells the job at once when one exits, and a hosting launcher keeps serving
+while workers started elsewhere train. Everything here needs torch, which the launcher
+loads only after starting its workers (elastic.py says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lockstep.elastic import etcd
+from lockstep.elastic.heartbeat import Liveness
+from lockstep.elastic.store import PREFIX, connect
+
+_JOB_KEY = PREFIX + "job"
+_SAY = "lockstep run --elastic:"
+
+
+def open_job_store(address: str, node_rank: int | None, timeout_s: float
+                   ) -> tuple[dist.Store, bool]:
+    """The job's store at `address` (etcd's, or HOST:PORT), and whether this launcher
+    hosts it."""
+    if address.startswith(etcd.SCHEME):  # replicated: nobody hosts it
+        return connect(address, timedelta(seconds=timeout_s)), False
+    return open_store(address, node_rank, timeout_s)
+
+
+def open_store(endpoint: str, node_rank: int | None, timeout_s: float
+               ) -> tuple[dist.Store, bool]:
+    """The job's store: hosted here if the endpoint is this host's and nobody serves it
+    yet (or --node-rank 0 says so), else the one being served there."""
+    host, _, port_text = endpoint.rpartition(":")
+    port = int(port_text)
+    timeout = timedelta(seconds=timeout_s)
+    hosting = node_rank == 0 if node_rank is not None else _can_bind(host, port)
+    if hosting:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timeout)
+        store.set(_JOB_KEY, "1")
+        return store, True
+    _wait_for_listener(host, port, time.monotonic() + timeout_s)
+    store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    if not store.check([_JOB_KEY]):
+        raise RuntimeError(f"the store at {endpoint} is not an elastic lockstep job's")
+    return store, False
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """Whether this host could serve the endpoint: its address is ours and no one listens
+    on the port. SO_REUSEADDR, as the store's own socket: a job that just ended leaves its
+    connections in TIME_WAIT on the port, and without it the command run again took them
+    for a live store, waited for one, and said none answered."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                return False
+            raise
+    return True
+
+
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no elastic job answered at {host}:{port} ({error}); "
+                                   "start the first launcher of the job there") from None
+        time.sleep(0.2)
+
+
+def _worker_id(store: dist.Store, host: str, pid: int) -> int | None:
+    """The job's id of this host's worker `pid`, as it said when it arrived; None if it had
+    not joined yet. Raises if the job's store is gone."""
+    view = dist.PrefixStore(PREFIX, store)
+    for worker in range(int(view.add("next_id", 0))):
+        key = f"host/{worker}"
+        if view.check([key]) and json.loads(view.get(key)) == [host, pid]:
+            return worker
+    return None
+
+
+def worker_name(store: dist.Store, host: str, pid: int) -> str:
+    """A worker as the membership's messages name it: by its id in the job (handed out as
+    workers arrive, so not its place among this host's workers), pid and host."""
+    with contextlib.suppress(Exception):  # the job's store is gone with its launcher
+        worker = _worker_id(store, host, pid)
+        if worker is not None:
+            return f"worker {worker} (pid {pid} on host {host})"
+    return f"a worker of this host (pid {pid}) that had not joined the job yet"
+
+
+def mark_gone(store: dist.Store, host: str, pid: int) -> None:
+    """Tell the job that this host's worker `pid` has exited: its peers take it as gone at
+    once (heartbeat.Liveness), instead of waiting for its heartbeat to stand still."""
+    with contextlib.suppress(Exception):  # the job's store may be gone too
+        worker = _worker_id(store, host, pid)
+        if worker is not None:
+            dist.PrefixStore(PREFIX, store).set(f"left/{worker}", "1")
+
+
+def serve_until_idle(store: dist.Store, quiet_s: float = 5.0) -> None:
+    """This launcher serves the job's store: keep it up while workers started elsewhere
+    still train (each is gone once it left or its heartbeat stood still)."""
+    view = dist.PrefixStore(PREFIX, store)
+    liveness = Liveness(view, quiet_s)
+    said, since = False, time.monotonic()
+    while True:
+        workers = range(int(view.add("next_id", 0)))
+        if all(liveness.observe(w) == "dead" for w in workers):
+            return
+        if not said and time.monotonic() - since > quiet_s + 1:
+            said = True
+            print(f"{_SAY} serving the job's store until the workers started elsewhere "
+                  "finish", file=sys.stderr, flush=True)
+        time.sleep(0.2)
