@@ -5,15 +5,16 @@ three ways, one launch each:
 
     DDP        torch's DistributedDataParallel under `lockstep run -n 3`: nothing survives
                a failure; the per-step yardstick
-    torchft    torchft (nightly) with its lighthouse: each worker a replica group of one,
-               torchft.DistributedDataParallel and torchft.Optimizer over ProcessGroupGloo,
-               the Manager's quorum every step (as its train_ddp.py)
+    torchft    torchft (nightly) with its lighthouse: each worker a replica group of one
+               under its own torchrun, torchft.DistributedDataParallel and torchft.Optimizer
+               over ProcessGroupGloo, the Manager's quorum every step (as its README runs
+               its train_ddp.py)
     lockstep   lockstep.Elastic under `lockstep run --elastic -n 3`
 
 In the torchft and lockstep runs, worker 1 is killed with SIGKILL once the job has trained
 KILL_AT steps, and its command is started again once the others train on. Every worker
-notes when it is ready (data and model built, before it joins) and when each of its steps
-completes; from those:
+notes when it is ready (data and model built and each system's modules loaded, before it
+joins) and when each of its steps completes; from those:
 
     per-step cost      median time between consecutive steps before the kill, against DDP's
     training again     from the kill to the first step a survivor begins after it and
@@ -25,12 +26,19 @@ completes; from those:
                        (Manager.is_participating() is False while healing) and takes the
                        others' state -- so its work counts from its second; lockstep's
                        joiner trains its share of the global batch in its first
+    command -> training  from the restarted worker's command being started to its first
+                       completed step: what a user waits, its interpreter and imports
+                       included (each system's launch as its README gives it: `lockstep
+                       run --elastic -n 1 ...`; `torchrun --nnodes=1 --nproc_per_node=1`)
 
 The launches run in a palindrome (DDP, torchft, lockstep, lockstep, torchft, DDP with
---rounds 2); each number is the median over rounds.
+--rounds 2); each number is the median over rounds. With --spare-core the job runs on
+core 0 and the restarted worker's command on core 1 alone, as a replacement machine would
+bring its own CPU: otherwise its start (torch's import above all) shares two cores with
+the three members, and that share, not either system, sets its command -> training.
 
     pip install torchft-nightly    # (its 0.2.0 release crashed its survivors on a kill here)
-    python benchmarks/vs_torchft.py [--rounds 2]
+    python benchmarks/vs_torchft.py [--rounds 2] [--spare-core]
 """
 
 from __future__ import annotations
@@ -112,10 +120,7 @@ def torchft_worker(out: Path, steps: int, replica: int) -> None:
     torch, images, labels, net = setup()
     from datetime import timedelta
 
-    import torch.distributed as dist
     from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True,
-                          wait_for_workers=False)  # torchrun's agent would host it
     optimizer = torch.optim.Adam(net.parameters(), lr=2e-3)
     note(out, f"torchft-{replica}", kind="ready")
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=1,
@@ -124,8 +129,8 @@ def torchft_worker(out: Path, steps: int, replica: int) -> None:
                       state_dict=lambda: {"model": net.state_dict(),
                                           "optim": optimizer.state_dict()},
                       replica_id=f"vs_torchft_{replica}", timeout=timedelta(seconds=30),
-                      rank=0, world_size=1, store_addr="127.0.0.1",
-                      store_port=store.port)
+                      rank=0, world_size=1, store_addr=os.environ["MASTER_ADDR"],
+                      store_port=int(os.environ["MASTER_PORT"]))  # torchrun's agent's store
     model = DistributedDataParallel(manager, net)
     managed = Optimizer(manager, optimizer)
     while manager.current_step() < steps:
@@ -143,12 +148,11 @@ def torchft_worker(out: Path, steps: int, replica: int) -> None:
 
 def lockstep_worker(out: Path, steps: int) -> None:
     torch, images, labels, net = setup()
-    import lockstep
-    from lockstep.elastic import batch_slice
+    from lockstep.elastic import Elastic, batch_slice  # (loaded before ready, as torchft is)
     optimizer = torch.optim.Adam(net.parameters(), lr=2e-3)
     name = f"lockstep-{os.getpid()}"
     note(out, name, kind="ready")
-    job = lockstep.Elastic(net, optimizer, agree={"per_worker": PER_WORKER})
+    job = Elastic(net, optimizer, agree={"per_worker": PER_WORKER})
 
     def train_step(model: Any, step: int) -> float:
         world = job.world  # the whole global batch, split over whoever is here now
@@ -196,16 +200,18 @@ def worker_command(*args: str) -> list[str]:
     return [os.path.abspath(__file__), "--worker", *args]
 
 
-def run_ddp(out: Path, steps: int) -> None:
-    launch = [sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(WORKERS)]
+def run_ddp(out: Path, steps: int, members: list[str]) -> None:
+    launch = [*members, sys.executable, "-m", "lockstep.launch.cli", "run", "-n", str(WORKERS)]
     done = subprocess.run([*launch, *worker_command("DDP", str(out), str(steps))], timeout=600,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vs_torchft: the DDP run failed:\n{done.stderr[-3000:]}")
 
 
-def run_with_a_kill(system: str, out: Path) -> dict[str, float]:
-    """Start the job, kill worker VICTIM at KILL_AT steps, start it again; measure."""
+def run_with_a_kill(system: str, out: Path, members: list[str], joiner: list[str]
+                    ) -> dict[str, float]:
+    """Start the job, kill worker VICTIM at KILL_AT steps, start it again; measure.
+    `members`, `joiner`: what the job's and the restarted worker's commands run under."""
     procs: list[subprocess.Popen[bytes]] = []
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL,
              "start_new_session": True}
@@ -213,39 +219,44 @@ def run_with_a_kill(system: str, out: Path) -> dict[str, float]:
         if system == "torchft":
             lighthouse = free_port()
             procs.append(subprocess.Popen(
-                [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas",
+                [*members, str(Path(sys.executable).parent / "torchft_lighthouse"),
+                 "--min_replicas",
                  "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000", "--bind",
                  f"[::]:{lighthouse}"], **quiet))  # type: ignore[call-overload]
 
-            def start(replica: int) -> subprocess.Popen[bytes]:
-                env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse}",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+            def start(replica: int, pin: list[str]) -> subprocess.Popen[bytes]:  # (its README)
+                env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse}"}
                 return subprocess.Popen(  # type: ignore[call-overload]
-                    [sys.executable, *worker_command("torchft", str(out), str(ENDLESS),
-                                                     str(replica))], env=env, **quiet)
-            procs += [start(r) for r in range(WORKERS)]
-            restart = lambda: start(VICTIM)  # noqa: E731
+                    [*pin, sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                     "--nproc_per_node=1", f"--master_port={free_port()}", "--",
+                     *worker_command("torchft", str(out), str(ENDLESS), str(replica))],
+                    env=env, **quiet)
+            procs += [start(r, members) for r in range(WORKERS)]
+            restart = lambda: start(VICTIM, joiner)  # noqa: E731
         else:
             endpoint = f"127.0.0.1:{free_port()}"
             launch = [sys.executable, "-m", "lockstep.launch.cli", "run", "--elastic",
                       "--rdzv-endpoint", endpoint, "-n"]
             job = worker_command("lockstep", str(out), str(ENDLESS))
-            procs.append(subprocess.Popen([*launch, str(WORKERS), *job],  # type: ignore[call-overload]
-                                          **quiet))
-            restart = lambda: subprocess.Popen([*launch, "1", *job], **quiet)  # noqa: E731
+            procs.append(subprocess.Popen(  # type: ignore[call-overload]
+                [*members, *launch, str(WORKERS), *job], **quiet))
+            restart = lambda: subprocess.Popen(  # type: ignore[call-overload]  # noqa: E731
+                [*joiner, *launch, "1", *job], **quiet)
         wait_for(lambda: steps_done(out) >= KILL_AT, f"{system}: {KILL_AT} steps")
         victim = _victim(system, out)
         os.kill(victim, signal.SIGKILL)
         killed = time.time()
         trained = wait_for(lambda: _first_step_after(out, killed, exclude=victim),
                            f"{system}: a step after the kill")
+        restarted = time.time()
         procs.append(restart())
         joiner = wait_for(lambda: _new_worker_stepping(out, killed),
                           f"{system}: the restarted worker's first step")
+        first_step = _new_worker_stepping(out, killed, since_ready=False)
         counting = wait_for(lambda: _new_worker_stepping(out, killed, counted=True),
                             f"{system}: the restarted worker's first step that counted")
         return {"step": _step_time(out, killed), "again": trained - killed, "join": joiner,
-                "counts": counting}
+                "counts": counting, "command": first_step - restarted}
     finally:  # every process of the run, each started in a session of its own
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
@@ -267,15 +278,19 @@ def _first_step_after(out: Path, moment: float, exclude: int) -> float | None:
     return min(times) if times else None
 
 
-def _new_worker_stepping(out: Path, after: float, counted: bool = False) -> float | None:
+def _new_worker_stepping(out: Path, after: float, counted: bool = False,
+                         since_ready: bool = True) -> float | None:
     """Seconds from the restarted worker's ready note to its first completed step (with
-    `counted`, its first whose gradient was part of the average)."""
+    `counted`, its first whose gradient was part of the average; without `since_ready`,
+    the moment of that step itself)."""
     for rs in records(out).values():
         ready = [r for r in rs if r["kind"] == "ready" and r["time"] > after]
         if ready:
             stepped = [r["time"] for r in rs if r["kind"] == "step"
                        and r["pid"] == ready[-1]["pid"] and (r["counted"] or not counted)]
-            return min(stepped) - ready[-1]["time"] if stepped else None
+            if not stepped:
+                return None
+            return min(stepped) - (ready[-1]["time"] if since_ready else 0.0)
     return None
 
 
@@ -295,6 +310,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=KILL_AT + 20, help="the DDP run's length")
     p.add_argument("--keep", action="store_true", help="keep each run's step records")
+    p.add_argument("--spare-core", action="store_true",
+                   help="the job on core 0, the restarted worker's command on core 1 alone: "
+                        "a replacement machine's own CPU (taskset)")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
@@ -305,16 +323,18 @@ def main() -> int:
         return 0
     if shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) is None:
         p.error("torchft is not installed here: pip install torchft-nightly")
+    members, joiner = (["taskset", "-c", "0"], ["taskset", "-c", "1"]) if args.spare_core \
+        else ([], [])
     results: dict[str, list[dict[str, float]]] = {s: [] for s in SYSTEMS}
     for r in range(args.rounds):
         for system in SYSTEMS if r % 2 == 0 else tuple(reversed(SYSTEMS)):
             out = Path(tempfile.mkdtemp(prefix=f"vs_torchft-{system}-"))
             print(f"round {r + 1}: {system} ...", flush=True)
             if system == "DDP":
-                run_ddp(out, args.steps)
+                run_ddp(out, args.steps, members)
                 results[system].append({"step": _step_time(out, float("inf"))})
             else:
-                results[system].append(run_with_a_kill(system, out))
+                results[system].append(run_with_a_kill(system, out, members, joiner))
             if not args.keep:
                 shutil.rmtree(out)
     report(results, args.rounds)
@@ -329,20 +349,24 @@ def report(results: dict[str, list[dict[str, float]]], rounds: int) -> None:
     print(f"{WORKERS} workers, MNIST CNN, {PER_WORKER} samples each per step; medians of "
           f"{rounds} round(s)")
     print(f"{'':10s} {'step':>9s} {'vs DDP':>7s} {'kill -9 -> training':>20s} "
-          f"{'restarted -> training':>22s} {'-> its gradient counts':>23s}")
+          f"{'restarted -> training':>22s} {'-> its gradient counts':>23s} "
+          f"{'command -> training':>20s}")
     for system in SYSTEMS:
         step = median(system, "step")
         tail = "" if system == "DDP" else "".join(
             f" {median(system, key):{width}.2f}s"
-            for key, width in (("again", 19), ("join", 21), ("counts", 22)))
+            for key, width in (("again", 19), ("join", 21), ("counts", 22), ("command", 19)))
         print(f"{system:10s} {step * 1e3:7.2f}ms {step / ddp:6.2f}x{tail}")
-    again, join, counts = (median("lockstep", k) for k in ("again", "join", "counts"))
-    ft_again, ft_join, ft_counts = (median("torchft", k) for k in ("again", "join", "counts"))
+    keys = ("again", "join", "counts", "command")
+    again, join, counts, command = (median("lockstep", k) for k in keys)
+    ft_again, ft_join, ft_counts, ft_command = (median("torchft", k) for k in keys)
     print(f"lockstep vs torchft: per-step cost {median('lockstep', 'step') / ddp:.2f}x DDP "
           f"against {median('torchft', 'step') / ddp:.2f}x (goal <= 1.01x); training again "
           f"{again:.2f}s after a kill against {ft_again:.2f}s (goal <= 1 s); a restarted "
           f"worker training {join:.2f}s after it is ready against {ft_join:.2f}s, its "
-          f"gradient counting {counts:.2f}s after against {ft_counts:.2f}s (goal <= 1 s)")
+          f"gradient counting {counts:.2f}s after against {ft_counts:.2f}s (goal <= 1 s), "
+          f"{command:.2f}s after its command against {ft_command:.2f}s")
+
 
 if __name__ == "__main__":
     sys.exit(main())

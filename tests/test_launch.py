@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -157,14 +159,33 @@ def test_a_missing_or_broken_script_is_reported_before_any_worker_starts(tmp_pat
         assert len(processes) == 1 and "'run', '-n', '2'" in processes[0], processes
 
 
+LATE_TORCH = textwrap.dedent("""
+    import importlib, json, os, sys, threading
+    import lockstep.launch.cli
+    from lockstep.launch import elastic
+    before = "torch" in sys.modules
+    niceness, real = [], importlib.import_module
+    def noting(name):
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return real(name)
+    importlib.import_module = noting
+    elastic._load_jobstore(urgent=False)
+    print(json.dumps({"before": before, "after": "torch" in sys.modules,
+                      "import": sorted(set(niceness)),  # (torch's own import_module calls)
+                      "launcher": os.getpriority(os.PRIO_PROCESS, threading.get_native_id())}))
+""")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="thread priorities are Linux's")
 def test_the_elastic_launcher_starts_its_workers_before_it_loads_torch() -> None:
     """A restarted worker waited out its launcher's import of torch (~2 s) before its own
-    began: the launcher now loads torch only once its workers are started."""
-    probe = ("import sys, lockstep.launch.cli, lockstep.launch.elastic; "
-             "print('torch' in sys.modules)")
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                            check=True).stdout.strip()
-    assert loaded == "False"
+    began: the launcher now loads torch only once its workers are started, and (where it
+    does not host the store) at a lower priority, its own thread left as it was."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = json.loads(subprocess.run([sys.executable, "-c", LATE_TORCH], capture_output=True,
+                                     text=True, check=True).stdout)
+    assert seen == {"before": False, "after": True, "import": [min(base + 10, 19)],
+                    "launcher": base}, seen
 
 
 def test_workers_started_for_a_store_that_is_not_a_jobs_are_stopped(tmp_path: Path) -> None:
@@ -180,6 +201,23 @@ def test_workers_started_for_a_store_that_is_not_a_jobs_are_stopped(tmp_path: Pa
     assert result.returncode == 2, result.stderr
     assert "is not an elastic lockstep job's" in result.stderr, result.stderr
     assert not _running(str(worker))
+
+
+def test_workers_done_before_their_launcher_reaches_the_store_end_the_launch(
+        tmp_path: Path) -> None:
+    """A joiner's launcher loads torch while its worker already trains: a short job can end,
+    and its store with it, first (seen in the DiLoCo rejoin test under load). The launch
+    is then its workers' outcome, at once -- not "no elastic job answered" after 60 s."""
+    quick = tmp_path / "quick.py"
+    quick.write_text("print('trained', flush=True)\n")
+    with socket.socket() as probe:  # a port nobody serves
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    result = launch(str(BIN / "lockstep"), "run", "--elastic", "-n", "1", "--nnodes", "2",
+                    "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(quick))
+    assert result.returncode == 0 and "trained" in result.stdout, result.stderr
+    assert time.monotonic() - started < 45  # not the launcher's 60 s wait for a store
 
 
 def _running(marker: str) -> list[str]:
@@ -242,7 +280,7 @@ def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> Non
     rerun that resumes from a checkpoint): the old store's connections linger in TIME_WAIT
     on the port. Before, the launcher took that for a live store, waited for it, and failed
     with "no elastic job answered" (seen rerunning benchmarks/elastic_adversary.py)."""
-    from lockstep.launch.jobstore import _can_bind
+    from lockstep.launch.elastic import _can_bind
 
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

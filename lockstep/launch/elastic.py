@@ -10,20 +10,25 @@ host or another -- adds workers, which join the running job at its next step bou
 The workers start before this launcher loads torch (jobstore.py holds all it needs torch
 for): each worker loads its own meanwhile and connects once the store answers. Loaded
 first, torch's ~2 s of import came twice, one after the other, before a restarted worker
-could even begin its own start.
+could even begin its own start. Where the launcher does not host the store (nobody waits
+on it), its import runs at a lower priority, so that on a machine of few cores it takes
+the CPU its workers leave rather than half of theirs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import importlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
-from types import FrameType
+from types import FrameType, ModuleType
 
 from lockstep.cores import AUTO_THREADS, threads_per_worker
 from lockstep.elastic import etcd
@@ -32,6 +37,7 @@ from lockstep.launch.run import LaunchSpec, refused
 
 _SAY = "lockstep run --elastic:"
 _TOGETHER_S = 0.5  # workers that exit this close together are reported as one event
+_IMPORT_NICENESS = 10  # a thread at nice 10 gets about a tenth of a core a nice-0 one wants
 
 
 def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
@@ -52,7 +58,8 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
         workers = [_start(spec, address, host, i) for i in range(spec.nproc)]
         announce = (f"job store at {endpoint}; to add workers later, run on any host: "
                     f"lockstep run --elastic -n 1 {again} {spec.target}")
-        return _watch(spec, workers, address, host, timeout_s, announce, started)
+        return _watch(spec, workers, address, host, timeout_s, announce, started,
+                      _hosts_store(address, spec.node_rank))
     except (RuntimeError, OSError, ValueError) as error:
         print(f"{_SAY} {error}", file=sys.stderr)
         return 2
@@ -62,14 +69,21 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
 
 
 def _watch(spec: LaunchSpec, workers: list[subprocess.Popen[bytes]], address: str,
-           host: str, timeout_s: float, announce: str, started: bool) -> int:
-    """Open the job's store (hosting it if this launcher is the job's first), then
-    supervise the workers already started; stops them if the store cannot be had.
-    `announce` is said if this launcher started the job."""
-    try:
-        from lockstep.launch import jobstore  # torch: only now (see the docstring)
+           host: str, timeout_s: float, announce: str, started: bool, hosting: bool) -> int:
+    """Open the job's store (`hosting` it: this launcher is the job's first, unless
+    another here took the port first), then supervise the workers already started; stops
+    them if the store cannot be had. `announce` is said if this launcher started the job."""
+    def running() -> bool:
+        return any(w.poll() is None for w in workers)
 
-        store, hosting = jobstore.open_job_store(address, spec.node_rank, timeout_s)
+    try:
+        jobstore = _load_jobstore(urgent=hosting or address.startswith(etcd.SCHEME))
+        store, hosting = jobstore.open_job_store(address, hosting, timeout_s, running)
+    except Exception:
+        if not running():  # all done before this launcher reached the store (a short job,
+            return _supervise(workers, _unnamed)  # its store gone): their outcome is ours
+        _stop(workers)
+        raise
     except BaseException:
         _stop(workers)
         raise
@@ -80,6 +94,65 @@ def _watch(spec: LaunchSpec, workers: list[subprocess.Popen[bytes]], address: st
     if hosting:
         jobstore.serve_until_idle(store)
     return code
+
+
+def _unnamed(pid: int) -> str:
+    return f"a worker of this host (pid {pid})"
+
+
+def _hosts_store(address: str, node_rank: int | None) -> bool:
+    """Whether this launcher is to host the job's store: the endpoint is this host's and
+    nobody serves it yet, or --node-rank 0 says so (etcd's store has no host)."""
+    if address.startswith(etcd.SCHEME):
+        return False
+    if node_rank is not None:
+        return node_rank == 0
+    host, _, port = address.rpartition(":")
+    return _can_bind(host, int(port))
+
+
+def _can_bind(host: str, port: int) -> bool:
+    """Whether this host could serve the endpoint: its address is ours and no one listens
+    on the port. SO_REUSEADDR, as the store's own socket: a job that just ended leaves its
+    connections in TIME_WAIT on the port, and without it the command run again took them
+    for a live store, waited for one, and said none answered."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
+                return False
+            raise
+    return True
+
+
+
+def _load_jobstore(urgent: bool) -> ModuleType:
+    """jobstore.py, and torch with it. Unless `urgent` -- workers wait on the store this
+    launcher hosts, or its etcd lease must be renewed meanwhile on another thread, which
+    an import holding the GIL at a low priority would starve -- loaded on a thread of
+    lower priority (Linux sets it per thread; the launcher's own keeps its priority, to
+    answer a worker's exit at once)."""
+    name = "lockstep.launch.jobstore"
+    if urgent or sys.platform != "linux":
+        return importlib.import_module(name)
+    loaded: list[ModuleType | BaseException] = []
+
+    def load() -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _IMPORT_NICENESS)
+        try:
+            loaded.append(importlib.import_module(name))
+        except BaseException as error:  # (raised again on the launcher's thread)
+            loaded.append(error)
+
+    thread = threading.Thread(target=load, name="lockstep-launcher-import", daemon=True)
+    thread.start()
+    thread.join()
+    if isinstance(loaded[0], BaseException):
+        raise loaded[0]
+    return loaded[0]
 
 
 def _stop(workers: list[subprocess.Popen[bytes]]) -> None:

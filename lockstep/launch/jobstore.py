@@ -10,11 +10,11 @@ loads only after starting its workers (elastic.py says why).
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import socket
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,58 +27,47 @@ _JOB_KEY = PREFIX + "job"
 _SAY = "lockstep run --elastic:"
 
 
-def open_job_store(address: str, node_rank: int | None, timeout_s: float
-                   ) -> tuple[dist.Store, bool]:
-    """The job's store at `address` (etcd's, or HOST:PORT), and whether this launcher
-    hosts it."""
+def open_job_store(address: str, hosting: bool, timeout_s: float,
+                   wanted: Callable[[], bool] = lambda: True) -> tuple[dist.Store, bool]:
+    """The job's store at `address` (etcd's, or HOST:PORT): hosted here if `hosting`,
+    and whether it is. Waits for a store to answer while `wanted()` (this launcher's
+    workers still run) and for up to `timeout_s`."""
     if address.startswith(etcd.SCHEME):  # replicated: nobody hosts it
         return connect(address, timedelta(seconds=timeout_s)), False
-    return open_store(address, node_rank, timeout_s)
+    return open_store(address, hosting, timeout_s, wanted)
 
 
-def open_store(endpoint: str, node_rank: int | None, timeout_s: float
-               ) -> tuple[dist.Store, bool]:
-    """The job's store: hosted here if the endpoint is this host's and nobody serves it
-    yet (or --node-rank 0 says so), else the one being served there."""
+def open_store(endpoint: str, hosting: bool, timeout_s: float,
+               wanted: Callable[[], bool] = lambda: True) -> tuple[dist.Store, bool]:
+    """The job's store at HOST:PORT: hosted here (`hosting`), else the one served there
+    (waited for while `wanted()`); and whether it is hosted here."""
     host, _, port_text = endpoint.rpartition(":")
     port = int(port_text)
     timeout = timedelta(seconds=timeout_s)
-    hosting = node_rank == 0 if node_rank is not None else _can_bind(host, port)
     if hosting:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                              timeout=timeout)
-        store.set(_JOB_KEY, "1")
-        return store, True
-    _wait_for_listener(host, port, time.monotonic() + timeout_s)
+        try:
+            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                  timeout=timeout)
+            store.set(_JOB_KEY, "1")
+            return store, True
+        except dist.DistNetworkError as error:  # another launcher here took the port
+            if "EADDRINUSE" not in str(error):  # since this one looked: it hosts
+                raise
+    _wait_for_listener(host, port, time.monotonic() + timeout_s, wanted)
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
     if not store.check([_JOB_KEY]):
         raise RuntimeError(f"the store at {endpoint} is not an elastic lockstep job's")
     return store, False
 
 
-def _can_bind(host: str, port: int) -> bool:
-    """Whether this host could serve the endpoint: its address is ours and no one listens
-    on the port. SO_REUSEADDR, as the store's own socket: a job that just ended leaves its
-    connections in TIME_WAIT on the port, and without it the command run again took them
-    for a live store, waited for one, and said none answered."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
-                return False
-            raise
-    return True
-
-
-def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+def _wait_for_listener(host: str, port: int, deadline: float,
+                       wanted: Callable[[], bool]) -> None:
     while True:
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 return
         except OSError as error:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not wanted():
                 raise RuntimeError(f"no elastic job answered at {host}:{port} ({error}); "
                                    "start the first launcher of the job there") from None
         time.sleep(0.2)
