@@ -4,8 +4,10 @@ process. Needs root: without it these tests skip, saying so."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -143,25 +145,44 @@ def test_links_are_shaped_to_the_given_bandwidth(tmp_path: Path) -> None:
 
 @needs_namespaces
 def test_sigterm_tears_the_cluster_down(tmp_path: Path) -> None:
-    # Match hosts only: `cluster_available` first makes and deletes a `lockstep-probe-*`
-    # namespace, and catching that one made this test fail once in CI.
-    before = namespaces()
+    # Its own hosts only, told by the namespaces its commands run in: another cluster test
+    # running beside it (pytest -n 2) makes hosts of the same form, and `cluster_available`
+    # a `lockstep-probe-*` namespace -- catching either made this test fail.
+    marker = f"{60 + secrets.randbelow(1000) / 1000:.3f}"  # sleep 60.xyz: ours alone
     log = tmp_path / "cluster.log"  # a file, not a pipe: nothing blocks on an unread pipe
     with log.open("w") as stderr:
         proc = subprocess.Popen([str(BIN / "lockstep"), "cluster", "--hosts", "2", "--",
-                                 "sleep", "60"], stderr=stderr, text=True)
+                                 "sleep", marker], stderr=stderr, text=True)
     made: set[str] = set()
     deadline = time.monotonic() + 120  # generous: CI machines are shared and can be slow
     while len(made) < 2 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-        made = {n for n in namespaces() - before if HOST_NAMESPACE.fullmatch(n)}
+        made = _namespaces_running(f"sleep\0{marker}")
     if len(made) < 2:
         proc.kill()
         proc.wait()
         pytest.fail(f"the cluster never came up (exit {proc.returncode}):\n{log.read_text()}")
+    assert all(HOST_NAMESPACE.fullmatch(n) for n in made), made
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert not made & namespaces()
+
+
+def _namespaces_running(command: str) -> set[str]:
+    """The named network namespaces of the processes whose command line (NUL-separated)
+    holds `command`: a process's /proc/PID/ns/net is the same file as /run/netns/NAME."""
+    by_inode = {}
+    for name in namespaces():
+        with contextlib.suppress(OSError):
+            by_inode[os.stat(f"/run/netns/{name}").st_ino] = name
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if command.encode() in cmdline.read_bytes():
+                found.add(by_inode.get(os.stat(cmdline.parent / "ns" / "net").st_ino))
+        except OSError:  # it ended in between
+            continue
+    return {name for name in found if name is not None}
 
 
 @needs_namespaces

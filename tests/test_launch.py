@@ -210,14 +210,52 @@ def test_workers_done_before_their_launcher_reaches_the_store_end_the_launch(
     is then its workers' outcome, at once -- not "no elastic job answered" after 60 s."""
     quick = tmp_path / "quick.py"
     quick.write_text("print('trained', flush=True)\n")
-    with socket.socket() as probe:  # a port nobody serves
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     started = time.monotonic()
-    result = launch(str(BIN / "lockstep"), "run", "--elastic", "-n", "1", "--nnodes", "2",
-                    "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(quick))
+    result = launch(*_joiner_without_a_job(quick))
     assert result.returncode == 0 and "trained" in result.stdout, result.stderr
     assert time.monotonic() - started < 45  # not the launcher's 60 s wait for a store
+
+
+def _joiner_without_a_job(worker: Path) -> list[str]:
+    """A joiner's launch (--node-rank 1: it hosts nothing) at a port nobody serves."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [str(BIN / "lockstep"), "run", "--elastic", "-n", "1", "--nnodes", "2",
+            "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", str(worker)]
+
+
+def test_a_launcher_stopped_before_it_reached_the_store_stops_its_workers(
+        tmp_path: Path) -> None:
+    """SIGTERM while the launcher still waits for the job's store, its worker already
+    running: the worker is stopped with it, and the exit is the signal's."""
+    started = tmp_path / "started"
+    worker = tmp_path / "sleeps.py"
+    worker.write_text(f"import time\nopen({str(started)!r}, 'w').close()\ntime.sleep(120)\n")
+    launcher = subprocess.Popen(_joiner_without_a_job(worker), stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert started.exists()
+        launcher.terminate()
+        assert launcher.wait(timeout=30) == 128 + 15
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not _running(str(worker))
+
+
+def test_a_launcher_that_found_no_job_says_so_when_its_workers_failed_too(
+        tmp_path: Path) -> None:
+    """Its workers, finding no store either, fail on their own: the launcher still names
+    the cause -- no job at the endpoint -- not only their exits."""
+    worker = tmp_path / "fails.py"
+    worker.write_text("raise SystemExit(1)\n")
+    result = launch(*_joiner_without_a_job(worker))
+    assert result.returncode == 2 and "no elastic job answered at" in result.stderr, \
+        result.stderr
 
 
 def _running(marker: str) -> list[str]:
@@ -280,7 +318,7 @@ def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> Non
     rerun that resumes from a checkpoint): the old store's connections linger in TIME_WAIT
     on the port. Before, the launcher took that for a live store, waited for it, and failed
     with "no elastic job answered" (seen rerunning benchmarks/elastic_adversary.py)."""
-    from lockstep.launch.elastic import _can_bind
+    from lockstep.launch.elastic import _claim_port
 
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -296,12 +334,16 @@ def test_a_port_a_finished_job_left_in_time_wait_can_serve_the_next_job() -> Non
     lingering = subprocess.run(["ss", "-tan", f"sport = :{port}"], capture_output=True,
                                text=True).stdout
     assert "TIME-WAIT" in lingering, lingering
-    assert _can_bind("127.0.0.1", port)
+    claimed = _claim_port("127.0.0.1", port, needed=False)
+    assert claimed is not None
+    claimed.close()
     with socket.socket() as live:  # and one that someone serves is still not ours
         live.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         live.bind(("127.0.0.1", port))
         live.listen()
-        assert not _can_bind("127.0.0.1", port)
+        assert _claim_port("127.0.0.1", port, needed=False) is None
+        with pytest.raises(OSError, match="cannot host the job's store at"):
+            _claim_port("127.0.0.1", port, needed=True)  # --node-rank 0 says it must
 
 
 def test_the_other_workers_that_ended_alike_are_one_line() -> None:

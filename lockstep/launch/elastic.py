@@ -10,9 +10,10 @@ host or another -- adds workers, which join the running job at its next step bou
 The workers start before this launcher loads torch (jobstore.py holds all it needs torch
 for): each worker loads its own meanwhile and connects once the store answers. Loaded
 first, torch's ~2 s of import came twice, one after the other, before a restarted worker
-could even begin its own start. Where the launcher does not host the store (nobody waits
-on it), its import runs at a lower priority, so that on a machine of few cores it takes
-the CPU its workers leave rather than half of theirs.
+could even begin its own start. Where the launcher neither hosts the store (workers wait
+on it) nor holds an etcd lease (renewed on a thread of its own), its import runs at a lower
+priority, so that on a machine of few cores it takes the CPU its workers leave rather than
+half of theirs.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType, ModuleType
 
 from lockstep.cores import AUTO_THREADS, threads_per_worker
@@ -40,55 +42,138 @@ _TOGETHER_S = 0.5  # workers that exit this close together are reported as one e
 _IMPORT_NICENESS = 10  # a thread at nice 10 gets about a tenth of a core a nice-0 one wants
 
 
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted(signum)
+
+
+@dataclass
+class _Store:
+    """Where the job keeps its store, settled before torch loads: the endpoint asked for;
+    the address its workers connect to (etcd's: under the run's prefix); the arguments
+    that add workers later; the port this launcher claimed to host it on (bound and
+    listening, so that no other process -- nor a worker connecting to itself -- takes it
+    meanwhile; torch's store adopts the socket); etcd's lease; and whether this launcher
+    started the job."""
+
+    endpoint: str
+    address: str
+    rejoin: str
+    listener: socket.socket | None = None
+    lease: etcd.LauncherLease | None = None
+    started: bool = False
+
+    def close(self) -> None:
+        if self.lease is not None:
+            self.lease.close()
+        if self.listener is not None:
+            self.listener.close()  # (a no-op once the store took it: detached)
+
+
 def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
     """Launch this host's workers of an elastic job and wait. Returns 0 if the job
     finished (on whichever workers were left), else the first failed worker's code."""
     if refused(spec):
         return 2
-    endpoint = spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    lease: etcd.LauncherLease | None = None
+    workers: list[subprocess.Popen[bytes]] = []
+    store: _Store | None = None
+    handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if endpoint.startswith(etcd.SCHEME):  # this host's run of the job, over HTTP
-            job = spec.rdzv_id or "lockstep"
-            address, lease, started = etcd.join_job(endpoint, job)
-            again = f"--rdzv-endpoint {endpoint} --rdzv-id {job}"
-        else:
-            address, started, again = endpoint, False, f"--rdzv-endpoint {endpoint}"
+        store = _find_store(spec)
         host = os.environ.get("LOCKSTEP_HOST") or spec.local_addr or socket.gethostname()
-        workers = [_start(spec, address, host, i) for i in range(spec.nproc)]
-        announce = (f"job store at {endpoint}; to add workers later, run on any host: "
-                    f"lockstep run --elastic -n 1 {again} {spec.target}")
-        return _watch(spec, workers, address, host, timeout_s, announce, started,
-                      _hosts_store(address, spec.node_rank))
+        for local_rank in range(spec.nproc):
+            workers.append(_start(spec, store.address, host, local_rank))
+        return _watch(workers, store, host, spec.target, timeout_s)
+    except _Interrupted as stop:
+        _stop(workers)
+        return 128 + stop.signum
     except (RuntimeError, OSError, ValueError) as error:
+        _stop(workers)
         print(f"{_SAY} {error}", file=sys.stderr)
         return 2
     finally:
-        if lease is not None:
-            lease.close()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        if store is not None:
+            store.close()
 
 
-def _watch(spec: LaunchSpec, workers: list[subprocess.Popen[bytes]], address: str,
-           host: str, timeout_s: float, announce: str, started: bool, hosting: bool) -> int:
-    """Open the job's store (`hosting` it: this launcher is the job's first, unless
-    another here took the port first), then supervise the workers already started; stops
-    them if the store cannot be had. `announce` is said if this launcher started the job."""
+def _find_store(spec: LaunchSpec) -> _Store:
+    """The job's store for this launch: its run in etcd (joined over HTTP), or a TCP port
+    this launcher claims to host it on (the job's first launcher: the endpoint is this
+    host's and free, or --node-rank 0 says so), or the one another launcher hosts."""
+    endpoint = spec.rdzv_endpoint
+    if endpoint is not None and endpoint.startswith(etcd.SCHEME):
+        job = spec.rdzv_id or "lockstep"
+        _load_jobstore(urgent=True)  # (torch first: an import holding the GIL for long
+        address, lease, started = etcd.join_job(endpoint, job)  # would starve the lease)
+        return _Store(endpoint, address, f"--rdzv-endpoint {endpoint} --rdzv-id {job}",
+                      lease=lease, started=started)
+    if endpoint is None:  # a job of this host alone, on a port the system picks
+        chosen = _listen("127.0.0.1", 0)
+        endpoint = f"127.0.0.1:{chosen.getsockname()[1]}"
+        return _Store(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", chosen, started=True)
+    host, _, port = endpoint.rpartition(":")
+    listener = None if spec.node_rank not in (None, 0) else \
+        _claim_port(host, int(port), needed=spec.node_rank == 0)
+    return _Store(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", listener,
+                  started=listener is not None)
+
+
+def _claim_port(host: str, port: int, needed: bool) -> socket.socket | None:
+    """The endpoint's port, bound and listening here, if this host can serve it: its
+    address is ours and no one listens on it (else None, or an error if `needed`)."""
+    try:
+        return _listen(host, port)
+    except OSError as error:
+        if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL) and not needed:
+            return None
+        raise OSError(error.errno, f"cannot host the job's store at {host}:{port}: "
+                                   f"{error.strerror}") from None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT and listening (workers that connect before the store
+    is up wait in its backlog). SO_REUSEADDR, as torch's store sets it: a job that just
+    ended leaves its connections in TIME_WAIT on the port, and without it the command run
+    again took them for a live store, waited for one, and said none answered."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
+def _watch(workers: list[subprocess.Popen[bytes]], place: _Store, host: str, target: str,
+           timeout_s: float) -> int:
+    """Open the job's store (hosting it on the claimed port), then supervise the workers
+    already started. If the store cannot be had: the workers' outcome if they all ended
+    well already (a short job's store may be gone with it), else the error."""
     def running() -> bool:
         return any(w.poll() is None for w in workers)
 
+    hosting = place.listener is not None
     try:
-        jobstore = _load_jobstore(urgent=hosting or address.startswith(etcd.SCHEME))
-        store, hosting = jobstore.open_job_store(address, hosting, timeout_s, running)
-    except Exception:
-        if not running():  # all done before this launcher reached the store (a short job,
-            return _supervise(workers, _unnamed)  # its store gone): their outcome is ours
-        _stop(workers)
+        jobstore = _load_jobstore(urgent=hosting)
+        listen_fd = place.listener.detach() if place.listener is not None else None
+        store = jobstore.open_job_store(place.address, listen_fd, timeout_s, running)
+    except (RuntimeError, OSError, ValueError):
+        if not running() and all(w.returncode == 0 for w in workers):
+            return _supervise(workers, _unnamed)
         raise
-    except BaseException:
-        _stop(workers)
-        raise
-    if started or hosting:
-        print(f"{_SAY} {announce}", file=sys.stderr, flush=True)
+    if place.started:
+        print(f"{_SAY} job store at {place.endpoint}; to add workers later, run on any "
+              f"host: lockstep run --elastic -n 1 {place.rejoin} {target}", file=sys.stderr,
+              flush=True)
     code = _supervise(workers, lambda pid: jobstore.worker_name(store, host, pid),
                       lambda pid: jobstore.mark_gone(store, host, pid))
     if hosting:
@@ -100,48 +185,20 @@ def _unnamed(pid: int) -> str:
     return f"a worker of this host (pid {pid})"
 
 
-def _hosts_store(address: str, node_rank: int | None) -> bool:
-    """Whether this launcher is to host the job's store: the endpoint is this host's and
-    nobody serves it yet, or --node-rank 0 says so (etcd's store has no host)."""
-    if address.startswith(etcd.SCHEME):
-        return False
-    if node_rank is not None:
-        return node_rank == 0
-    host, _, port = address.rpartition(":")
-    return _can_bind(host, int(port))
-
-
-def _can_bind(host: str, port: int) -> bool:
-    """Whether this host could serve the endpoint: its address is ours and no one listens
-    on the port. SO_REUSEADDR, as the store's own socket: a job that just ended leaves its
-    connections in TIME_WAIT on the port, and without it the command run again took them
-    for a live store, waited for one, and said none answered."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            if error.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL):
-                return False
-            raise
-    return True
-
-
-
 def _load_jobstore(urgent: bool) -> ModuleType:
-    """jobstore.py, and torch with it. Unless `urgent` -- workers wait on the store this
-    launcher hosts, or its etcd lease must be renewed meanwhile on another thread, which
-    an import holding the GIL at a low priority would starve -- loaded on a thread of
-    lower priority (Linux sets it per thread; the launcher's own keeps its priority, to
-    answer a worker's exit at once)."""
+    """jobstore.py, and torch with it. Unless `urgent` (workers wait on the store this
+    launcher hosts), loaded on a thread of lower priority (Linux sets it per thread; the
+    launcher's own keeps its priority, to answer a worker's exit at once)."""
     name = "lockstep.launch.jobstore"
     if urgent or sys.platform != "linux":
         return importlib.import_module(name)
     loaded: list[ModuleType | BaseException] = []
 
     def load() -> None:
+        me = threading.get_native_id()
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), _IMPORT_NICENESS)
+            os.setpriority(os.PRIO_PROCESS, me,
+                           min(os.getpriority(os.PRIO_PROCESS, me) + _IMPORT_NICENESS, 19))
         try:
             loaded.append(importlib.import_module(name))
         except BaseException as error:  # (raised again on the launcher's thread)

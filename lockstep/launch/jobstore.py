@@ -27,37 +27,26 @@ _JOB_KEY = PREFIX + "job"
 _SAY = "lockstep run --elastic:"
 
 
-def open_job_store(address: str, hosting: bool, timeout_s: float,
-                   wanted: Callable[[], bool] = lambda: True) -> tuple[dist.Store, bool]:
-    """The job's store at `address` (etcd's, or HOST:PORT): hosted here if `hosting`,
-    and whether it is. Waits for a store to answer while `wanted()` (this launcher's
-    workers still run) and for up to `timeout_s`."""
-    if address.startswith(etcd.SCHEME):  # replicated: nobody hosts it
-        return connect(address, timedelta(seconds=timeout_s)), False
-    return open_store(address, hosting, timeout_s, wanted)
-
-
-def open_store(endpoint: str, hosting: bool, timeout_s: float,
-               wanted: Callable[[], bool] = lambda: True) -> tuple[dist.Store, bool]:
-    """The job's store at HOST:PORT: hosted here (`hosting`), else the one served there
-    (waited for while `wanted()`); and whether it is hosted here."""
-    host, _, port_text = endpoint.rpartition(":")
-    port = int(port_text)
+def open_job_store(address: str, listen_fd: int | None, timeout_s: float,
+                   wanted: Callable[[], bool] = lambda: True) -> dist.Store:
+    """The job's store at `address` (etcd's, or HOST:PORT): hosted here on the socket
+    `listen_fd` (bound and listening) if given, else the one served there -- waited for
+    while `wanted()` (this launcher's workers still run) and for up to `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
-    if hosting:
-        try:
-            store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                  timeout=timeout)
-            store.set(_JOB_KEY, "1")
-            return store, True
-        except dist.DistNetworkError as error:  # another launcher here took the port
-            if "EADDRINUSE" not in str(error):  # since this one looked: it hosts
-                raise
+    if address.startswith(etcd.SCHEME):  # replicated: nobody hosts it
+        return connect(address, timeout)
+    host, _, port_text = address.rpartition(":")
+    port = int(port_text)
+    if listen_fd is not None:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                              timeout=timeout, master_listen_fd=listen_fd)
+        store.set(_JOB_KEY, "1")
+        return store
     _wait_for_listener(host, port, time.monotonic() + timeout_s, wanted)
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
     if not store.check([_JOB_KEY]):
-        raise RuntimeError(f"the store at {endpoint} is not an elastic lockstep job's")
-    return store, False
+        raise RuntimeError(f"the store at {address} is not an elastic lockstep job's")
+    return store
 
 
 def _wait_for_listener(host: str, port: int, deadline: float,
