@@ -53,7 +53,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 @dataclass
-class _Store:
+class _StorePlace:
     """Where the job keeps its store, settled before torch loads: the endpoint asked for;
     the address its workers connect to (etcd's: under the run's prefix); the arguments
     that add workers later; the port this launcher claimed to host it on (bound and
@@ -81,14 +81,14 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
     if refused(spec):
         return 2
     workers: list[subprocess.Popen[bytes]] = []
-    store: _Store | None = None
+    place: _StorePlace | None = None
     handlers = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        store = _find_store(spec)
+        place = _find_store(spec)
         host = os.environ.get("LOCKSTEP_HOST") or spec.local_addr or socket.gethostname()
         for local_rank in range(spec.nproc):
-            workers.append(_start(spec, store.address, host, local_rank))
-        return _watch(workers, store, host, spec.target, timeout_s)
+            workers.append(_start(spec, place.address, host, local_rank))
+        return _watch(workers, place, host, spec.target, timeout_s)
     except _Interrupted as stop:
         _stop(workers)
         return 128 + stop.signum
@@ -99,11 +99,11 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
     finally:
         for s, handler in handlers.items():
             signal.signal(s, handler)
-        if store is not None:
-            store.close()
+        if place is not None:
+            place.close()
 
 
-def _find_store(spec: LaunchSpec) -> _Store:
+def _find_store(spec: LaunchSpec) -> _StorePlace:
     """The job's store for this launch: its run in etcd (joined over HTTP), or a TCP port
     this launcher claims to host it on (the job's first launcher: the endpoint is this
     host's and free, or --node-rank 0 says so), or the one another launcher hosts."""
@@ -112,16 +112,16 @@ def _find_store(spec: LaunchSpec) -> _Store:
         job = spec.rdzv_id or "lockstep"
         _load_jobstore(urgent=True)  # (torch first: an import holding the GIL for long
         address, lease, started = etcd.join_job(endpoint, job)  # would starve the lease)
-        return _Store(endpoint, address, f"--rdzv-endpoint {endpoint} --rdzv-id {job}",
+        return _StorePlace(endpoint, address, f"--rdzv-endpoint {endpoint} --rdzv-id {job}",
                       lease=lease, started=started)
     if endpoint is None:  # a job of this host alone, on a port the system picks
         chosen = _listen("127.0.0.1", 0)
         endpoint = f"127.0.0.1:{chosen.getsockname()[1]}"
-        return _Store(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", chosen, started=True)
+        return _StorePlace(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", chosen, started=True)
     host, _, port = endpoint.rpartition(":")
     listener = None if spec.node_rank not in (None, 0) else \
         _claim_port(host, int(port), needed=spec.node_rank == 0)
-    return _Store(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", listener,
+    return _StorePlace(endpoint, endpoint, f"--rdzv-endpoint {endpoint}", listener,
                   started=listener is not None)
 
 
@@ -153,7 +153,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _watch(workers: list[subprocess.Popen[bytes]], place: _Store, host: str, target: str,
+def _watch(workers: list[subprocess.Popen[bytes]], place: _StorePlace, host: str, target: str,
            timeout_s: float) -> int:
     """Open the job's store (hosting it on the claimed port), then supervise the workers
     already started. If the store cannot be had: the workers' outcome if they all ended
