@@ -220,9 +220,8 @@ def run_with_a_kill(system: str, out: Path, members: list[str], joiner: list[str
             lighthouse = free_port()
             procs.append(subprocess.Popen(
                 [*members, str(Path(sys.executable).parent / "torchft_lighthouse"),
-                 "--min_replicas",
-                 "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000", "--bind",
-                 f"[::]:{lighthouse}"], **quiet))  # type: ignore[call-overload]
+                 "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms",
+                 "10000", "--bind", f"[::]:{lighthouse}"], **quiet))  # type: ignore[call-overload]
 
             def start(replica: int, pin: list[str]) -> subprocess.Popen[bytes]:  # (its README)
                 env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://localhost:{lighthouse}"}

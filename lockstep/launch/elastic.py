@@ -37,7 +37,7 @@ from lockstep.elastic import etcd
 from lockstep.elastic.config import ENV_INITIAL, ENV_STORE
 from lockstep.launch.run import LaunchSpec, refused
 
-_SAY = "lockstep run --elastic:"
+SAY = "lockstep run --elastic:"  # what begins each of the launcher's messages
 _TOGETHER_S = 0.5  # workers that exit this close together are reported as one event
 _IMPORT_NICENESS = 10  # a thread at nice 10 gets about a tenth of a core a nice-0 one wants
 
@@ -94,7 +94,7 @@ def run_elastic(spec: LaunchSpec, timeout_s: float = 60.0) -> int:
         return 128 + stop.signum
     except (RuntimeError, OSError, ValueError) as error:
         _stop(workers)
-        print(f"{_SAY} {error}", file=sys.stderr)
+        print(f"{SAY} {error}", file=sys.stderr)
         return 2
     finally:
         for s, handler in handlers.items():
@@ -171,7 +171,7 @@ def _watch(workers: list[subprocess.Popen[bytes]], place: _StorePlace, host: str
             return _supervise(workers, _unnamed)
         raise
     if place.started:
-        print(f"{_SAY} job store at {place.endpoint}; to add workers later, run on any "
+        print(f"{SAY} job store at {place.endpoint}; to add workers later, run on any "
               f"host: lockstep run --elastic -n 1 {place.rejoin} {target}", file=sys.stderr,
               flush=True)
     code = _supervise(workers, lambda pid: jobstore.worker_name(store, host, pid),
@@ -287,7 +287,7 @@ def _supervise(workers: list[subprocess.Popen[bytes]], name: Callable[[int], str
                 if w.returncode != 0 and not stopping:  # holds only those still alive)
                     failures.append(w.returncode)
                     goes_on = "; the job goes on without it" if running else ""
-                    print(f"{_SAY} {name(w.pid)} {_how(w.returncode)}{goes_on}",
+                    print(f"{SAY} {name(w.pid)} {_how(w.returncode)}{goes_on}",
                           file=sys.stderr, flush=True)
             time.sleep(0.1)
     finally:
@@ -309,10 +309,10 @@ def _outcome(failures: list[int], started: int) -> int:
     if not failures:
         return 0
     if len(failures) < started:
-        print(f"{_SAY} {len(failures)} of this host's {started} workers were lost; the "
+        print(f"{SAY} {len(failures)} of this host's {started} workers were lost; the "
               "others finished the job", file=sys.stderr)
         return 0
-    print(f"{_SAY} every worker this launcher started has failed (see above)",
+    print(f"{SAY} every worker this launcher started has failed (see above)",
           file=sys.stderr)
     first = failures[0]
     return first if first > 0 else 1

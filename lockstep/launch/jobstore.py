@@ -22,13 +22,13 @@ import torch.distributed as dist
 from lockstep.elastic import etcd
 from lockstep.elastic.heartbeat import Liveness
 from lockstep.elastic.store import PREFIX, connect
+from lockstep.launch.elastic import SAY
 
 _JOB_KEY = PREFIX + "job"
-_SAY = "lockstep run --elastic:"
 
 
 def open_job_store(address: str, listen_fd: int | None, timeout_s: float,
-                   wanted: Callable[[], bool] = lambda: True) -> dist.Store:
+                   wanted: Callable[[], bool]) -> dist.Store:
     """The job's store at `address` (etcd's, or HOST:PORT): hosted here on the socket
     `listen_fd` (bound and listening) if given, else the one served there -- waited for
     while `wanted()` (this launcher's workers still run) and for up to `timeout_s`."""
@@ -104,6 +104,6 @@ def serve_until_idle(store: dist.Store, quiet_s: float = 5.0) -> None:
             return
         if not said and time.monotonic() - since > quiet_s + 1:
             said = True
-            print(f"{_SAY} serving the job's store until the workers started elsewhere "
+            print(f"{SAY} serving the job's store until the workers started elsewhere "
                   "finish", file=sys.stderr, flush=True)
         time.sleep(0.2)
